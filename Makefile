@@ -1,0 +1,30 @@
+# Everything runs inside .venv; `make setup` is idempotent and quick once done.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.kiln-installed
+
+.PHONY: setup test lint serve generate clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	# torch's CPU build lies on local disk; an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+test: setup lint
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+serve: setup
+	$(VENV)/bin/kiln serve
+
+generate: setup
+	$(VENV)/bin/kiln generate "Write a haiku about a kiln."
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,63 @@
+"""What crosses between the scheduler and the model runner each step.
+
+The model runner keeps persistent per-request state (token ids, block table row), so a step
+carries only what changed: full data for requests it has not seen (new, or resumed after a
+preemption), new block ids for the ones it has, and the ids it must forget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    # Prompt plus any tokens generated before a preemption: the runner recomputes them all.
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    # Tokens whose KV is already in the cache (prefix-cache hit); computing starts here.
+    num_computed_tokens: int
+    # Resolved sampling seed (a random one when the user gave none).
+    seed: int
+
+
+@dataclass
+class CachedRequestData:
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    # req_id -> tokens to compute this step, for every scheduled request.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # Finished, aborted or preempted since the last step: the runner drops their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """One entry per request scheduled this step, in `req_ids` order.
+
+    `sampled_token_ids[i]` is empty while request i is still prefilling (the step's chunk did not
+    reach the end of its known tokens) and holds one token otherwise.
+    `logprobs[i]` (when the request asked for them) is a list, one per sampled token, of
+    (sampled token logprob, [(token_id, logprob) for the top-N]).
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None] | None = None

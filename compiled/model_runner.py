@@ -1,0 +1,355 @@
+"""ModelRunner: turns a SchedulerOutput into input tensors, runs the compiled model, samples.
+
+Compile decisions live here, in `_compile`. The model runner keeps per-request state (token ids,
+a row of the persistent block table) across steps, so a step only carries what changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from compiled.attention import AttentionMetadata
+from compiled.loader import load_model, resolve_dtype, resolve_model
+from compiled.sampler import SamplingMetadata, sample
+from engine.config import EngineConfig
+from engine.params import SamplingParams
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger("kiln.runner")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes a single-query batch is padded to: 1, 2, 4, 8, 16, 24, 32, 48, 64, then steps of 32."""
+    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    while sizes[-1] < max_num_seqs:
+        sizes.append(sizes[-1] + 32)
+    return [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
+
+
+def _bucket(n: int, buckets: list[int]) -> int:
+    return next(b for b in buckets if b >= n)
+
+
+def _pow2(n: int, cap: int) -> int:
+    return min(1 << max(n - 1, 0).bit_length(), cap)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]  # prompt, then every token sampled so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    seed: int
+    row: int  # row of the persistent block table
+    num_blocks: int
+    num_computed_tokens: int
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            # Set once, first: changing the thread count later invalidates every compiled graph.
+            torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
+        self.model_dir = resolve_model(config.model)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        start = time.perf_counter()
+        self.model = load_model(self.model_dir, self.dtype, self.device)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in self.model.parameters()}.values())
+        logger.info("weights: %.2f GiB %s loaded in %.1f s from %s", self.weight_bytes / 2**30,
+                    str(self.dtype).removeprefix("torch."), time.perf_counter() - start, self.model_dir)
+        args = self.model.args
+        self.vocab_size = args.vocab_size
+        self.max_model_len = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+        self.block_size = config.block_size
+        self.max_blocks_per_seq = cdiv(self.max_model_len, self.block_size)
+        self.buckets = decode_buckets(config.max_num_seqs)
+        # One block-table row per live request, plus a last all-zero row for padding tokens.
+        self.table_width = max(self.max_blocks_per_seq, 2)
+        self.block_table = torch.zeros(config.max_num_seqs + 1, self.table_width, dtype=torch.int64)
+        self.null_row = config.max_num_seqs
+        self.free_rows = list(range(config.max_num_seqs - 1, -1, -1))
+        self.requests: dict[str, CachedRequestState] = {}
+        self.num_blocks = 0
+        self.forward = self.model.forward
+        self.decode_forward = self.model.forward
+        if not config.enforce_eager:
+            self._compile()
+
+    def _compile(self) -> None:
+        """Every compile decision of kiln is here.
+
+        CPU: each TransformerBlock is compiled with dynamic shapes; all layers share one Dynamo cache
+        entry (same code, weights are graph inputs), so a whole step costs a few graphs, ~5-10 s each
+        cold and about a second from the Inductor cache. Measured on the 2-core CPU, SmolLM2 float32
+        (batch 32, context 480): per-layer 322 ms/step after 10 s of compiling; the whole model as one
+        dynamic graph compiled in 90 s and ran 4 s/step; eager 592 ms/step.
+        CUDA: decode-only steps (padded to a bucket) run the whole model under mode="reduce-overhead",
+        one CUDA graph per bucket; steps with multi-token chunks use the per-layer graphs.
+        """
+        # Dynamo specialises sizes 0 and 1, so inputs keep every dynamic size at 2 or more (see
+        # _prepare_inputs); the graphs are then: single-query rows only, chunks only (1 or more than
+        # 1 chunk) and both. Sizes that happen to be equal when traced must not be assumed equal.
+        torch.fx.experimental._config.use_duck_shape = False
+        if self.device.type == "cpu" and self.buckets[0] == 1 and len(self.buckets) > 1:
+            self.buckets = self.buckets[1:]  # a second row is free next to reading all the weights
+        for layer in self.model.layers:
+            layer.compile(dynamic=True)
+        if self.device.type == "cuda":
+            self.decode_forward = torch.compile(self.model.forward, mode="reduce-overhead", dynamic=False)
+
+    # ---- KV cache -------------------------------------------------------------------------------
+
+    def kv_bytes_per_block(self) -> int:
+        a = self.model.args
+        return 2 * a.n_layers * self.block_size * a.n_kv_heads * a.head_dim * self.dtype.itemsize
+
+    def determine_num_blocks(self) -> int:
+        """Blocks that fit the KV-cache budget, never more than max_num_seqs full-length sequences need."""
+        c = self.config
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        if c.kv_cache_memory is not None:
+            budget = c.kv_cache_memory
+        elif self.device.type == "cuda":
+            budget = self._cuda_kv_budget()
+        else:
+            budget = int(_available_ram() * c.cpu_kv_cache_fraction)
+        useful = c.max_num_seqs * self.max_blocks_per_seq + 1
+        num_blocks = min(budget // self.kv_bytes_per_block(), useful)
+        if num_blocks < 2:
+            raise ValueError(f"KV-cache budget of {budget} bytes holds no block ({self.kv_bytes_per_block()} bytes each)")
+        return int(num_blocks)
+
+    def _cuda_kv_budget(self) -> int:
+        """Device memory left after weights and the peak activations of the largest step."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.initialize_kv_cache(2)
+        n = min(self.config.max_num_batched_tokens, self.max_model_len - 1)
+        self._dummy_step(num_single=0, chunk_lens=[n])
+        peak = torch.cuda.max_memory_allocated(self.device)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return int(total * self.config.gpu_memory_utilization) - peak
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.model.allocate_kv_cache(num_blocks, self.block_size, self.device, self.dtype)
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            # CUDA graphs may only mutate inputs whose address never changes.
+            for layer in self.model.layers:
+                torch._dynamo.mark_static_address(layer.attention.k_cache)
+                torch._dynamo.mark_static_address(layer.attention.v_cache)
+        gib = num_blocks * self.kv_bytes_per_block() / 2**30
+        concurrency = (num_blocks - 1) / self.max_blocks_per_seq
+        logger.info("KV cache: %d blocks × %d tokens = %.2f GiB; max concurrency at max_model_len %d: %.2f",
+                    num_blocks, self.block_size, gib, self.max_model_len, concurrency)
+
+    def warmup(self) -> None:
+        """Run every step shape serving meets, so that none compiles while requests wait."""
+        if self.config.enforce_eager:
+            return
+        start = time.perf_counter()
+        chunk = min(self.config.max_num_batched_tokens, self.max_model_len - 1) // 2
+        first = self.buckets[0]
+        shapes = [(b, []) for b in self.buckets] + [(0, [chunk]), (0, [chunk, 2]), (first, [chunk]), (first, [chunk, 2])]
+        for num_single, chunk_lens in shapes:
+            t = time.perf_counter()
+            self._dummy_step(num_single, chunk_lens)
+            logger.debug("warm-up step singles=%d chunks=%s: %.1f s", num_single, chunk_lens, time.perf_counter() - t)
+        logger.info("compile/warm-up: %d step shapes (decode buckets %s, prefill and mixed) in %.1f s",
+                    len(shapes), self.buckets, time.perf_counter() - start)
+
+    def _dummy_step(self, num_single: int, chunk_lens: list[int]) -> None:
+        """A step over throw-away sequences whose KV all lands in the null block."""
+        greedy = SamplingParams(temperature=0.0)
+        def dummy(i: int, n: int) -> CachedRequestState:
+            return CachedRequestState(f"dummy{i}", [0] * n, n, greedy, 0, self.null_row, 0, 0)
+        singles = [dummy(i, 1) for i in range(num_single)]
+        chunks = [dummy(num_single + i, n) for i, n in enumerate(chunk_lens)]
+        scheduled = {s.req_id: (1 if i < num_single else len(s.token_ids)) for i, s in enumerate(singles + chunks)}
+        inputs, meta, logits_index, sampled = self._prepare_inputs(singles, chunks, scheduled)
+        forward = self.decode_forward if not chunks else self.forward
+        self._sample(forward(inputs[0], inputs[1], meta), logits_index, sampled)
+
+    # ---- one step -------------------------------------------------------------------------------
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids:
+            state = self.requests.pop(rid, None)
+            if state is not None:
+                self.block_table[state.row].zero_()
+                self.free_rows.append(state.row)
+        for new in so.new_reqs:
+            row = self.free_rows.pop()
+            self.block_table[row, : len(new.block_ids)] = torch.tensor(new.block_ids, dtype=torch.int64)
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params, new.seed, row,
+                len(new.block_ids), new.num_computed_tokens)
+        for cached in so.cached_reqs:
+            state = self.requests[cached.req_id]
+            if cached.new_block_ids:
+                n = len(cached.new_block_ids)
+                self.block_table[state.row, state.num_blocks : state.num_blocks + n] = torch.tensor(
+                    cached.new_block_ids, dtype=torch.int64)
+                state.num_blocks += n
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.is_empty:
+            return ModelRunnerOutput([], [])
+        states = [self.requests[rid] for rid in so.num_scheduled_tokens]
+        singles = [s for s in states if so.num_scheduled_tokens[s.req_id] == 1]
+        chunks = [s for s in states if so.num_scheduled_tokens[s.req_id] > 1]
+        inputs, meta, logits_index, sampled = self._prepare_inputs(singles, chunks, so.num_scheduled_tokens)
+        forward = self.decode_forward if not chunks else self.forward
+        hidden = forward(inputs[0], inputs[1], meta)
+        tokens, logprobs = self._sample(hidden, logits_index, sampled)
+        for s, n in zip(states, (so.num_scheduled_tokens[s.req_id] for s in states)):
+            s.num_computed_tokens += n
+        out_tokens: dict[str, list[int]] = {}
+        out_logprobs: dict[str, list] = {}
+        for i, s in enumerate(sampled):
+            s.token_ids.append(tokens[i])
+            out_tokens[s.req_id] = [tokens[i]]
+            if logprobs is not None and s.sampling_params.logprobs is not None:
+                out_logprobs[s.req_id] = [logprobs[i]]
+        order = singles + chunks
+        return ModelRunnerOutput(
+            req_ids=[s.req_id for s in order],
+            sampled_token_ids=[out_tokens.get(s.req_id, []) for s in order],
+            logprobs=[out_logprobs.get(s.req_id) for s in order] if out_logprobs else None,
+        )
+
+    def _prepare_inputs(self, singles, chunks, num_scheduled):
+        bs = self.block_size
+        n_pad = _bucket(len(singles), self.buckets) - len(singles) if singles else 0
+        rows: list[int] = []
+        positions: list[int] = []
+        token_ids: list[int] = []
+        logits_index: list[int] = []
+        sampled: list[CachedRequestState] = []
+        for s in singles:
+            pos = s.num_computed_tokens
+            rows.append(s.row)
+            positions.append(pos)
+            token_ids.append(s.token_ids[pos])
+            if pos + 1 == len(s.token_ids):
+                logits_index.append(len(token_ids) - 1)
+                sampled.append(s)
+        rows += [self.null_row] * n_pad
+        positions += [0] * n_pad
+        token_ids += [0] * n_pad
+        num_dec = len(rows)
+        seq_lens = [p + 1 for p in positions]
+        dec_width = max(_pow2(cdiv(max(seq_lens, default=1), bs), self.table_width), 2)
+
+        query_index: list[list[int]] = []
+        query_pos: list[list[int]] = []
+        chunk_lens = [num_scheduled[s.req_id] for s in chunks]
+        q_max = max(chunk_lens, default=2)
+        pre_width = 2
+        for s, n in zip(chunks, chunk_lens):
+            start, first = s.num_computed_tokens, len(token_ids)
+            rows += [s.row] * n
+            positions += range(start, start + n)
+            token_ids += s.token_ids[start : start + n]
+            query_index.append(list(range(first, first + n)) + [first] * (q_max - n))
+            query_pos.append(list(range(start, start + n)) + [0] * (q_max - n))
+            pre_width = max(pre_width, cdiv(start + n, bs))
+            if start + n == len(s.token_ids):
+                logits_index.append(len(token_ids) - 1)
+                sampled.append(s)
+        out_index = [p * q_max + j for p, n in enumerate(chunk_lens) for j in range(n)]
+
+        rows_t = torch.tensor(rows, dtype=torch.int64)
+        pos_t = torch.tensor(positions, dtype=torch.int64)
+        slots = self.block_table[rows_t, pos_t // bs] * bs + pos_t % bs
+        chunk_rows = torch.tensor([s.row for s in chunks], dtype=torch.int64)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(dev),
+            decode_block_tables=self.block_table[rows_t[:num_dec], :dec_width].to(dev),
+            decode_seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            prefill_block_tables=self.block_table[chunk_rows, :pre_width].to(dev),
+            prefill_query_index=torch.tensor(query_index, dtype=torch.int64, device=dev).view(len(chunks), q_max),
+            prefill_query_pos=torch.tensor(query_pos, dtype=torch.int64, device=dev).view(len(chunks), q_max),
+            prefill_out_index=torch.tensor(out_index, dtype=torch.int64, device=dev),
+        )
+        inputs = (torch.tensor(token_ids, dtype=torch.int64, device=dev), pos_t.to(dev))
+        return inputs, meta, logits_index, sampled
+
+    def _sample(self, hidden: Tensor, logits_index: list[int], states: list[CachedRequestState]):
+        if not states:
+            return [], None
+        logits = self.model.compute_logits(hidden[torch.tensor(logits_index, device=self.device)])
+        m = self._sampling_metadata(states)
+        out = sample(logits, m)
+        tokens = out.token_ids.tolist()
+        if out.logprobs is None:
+            return tokens, None
+        lp = out.logprobs.tolist()
+        top_ids = out.topk_ids.tolist() if out.topk_ids is not None else [[] for _ in states]
+        top_lp = out.topk_logprobs.tolist() if out.topk_logprobs is not None else [[] for _ in states]
+        logprobs = []
+        for i, s in enumerate(states):
+            n = s.sampling_params.logprobs or 0
+            logprobs.append((lp[i], list(zip(top_ids[i][:n], top_lp[i][:n]))))
+        return tokens, logprobs
+
+    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        dev = self.device
+        params = [s.sampling_params for s in states]
+        f32 = lambda xs: torch.tensor(xs, dtype=torch.float32, device=dev)  # noqa: E731
+        m = SamplingMetadata(
+            temperature=f32([p.temperature for p in params]),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
+            top_p=f32([p.top_p for p in params]),
+            min_p=f32([p.min_p for p in params]),
+            seeds=torch.tensor([s.seed for s in states], dtype=torch.int64, device=dev),
+            steps=torch.tensor([len(s.token_ids) - s.num_prompt_tokens for s in states], dtype=torch.int64, device=dev),
+            all_greedy=all(p.greedy for p in params),
+            any_top_k=any(p.top_k > 0 for p in params),
+            any_top_p=any(p.top_p < 1.0 for p in params),
+            any_min_p=any(p.min_p > 0.0 for p in params),
+        )
+        if any(p.logprobs is not None for p in params):
+            m.max_num_logprobs = max(p.logprobs or 0 for p in params)
+        if any(p.has_penalties for p in params):
+            m.presence = f32([p.presence_penalty for p in params])
+            m.frequency = f32([p.frequency_penalty for p in params])
+            m.repetition = f32([p.repetition_penalty for p in params])
+            counts = torch.zeros(len(states), self.vocab_size, dtype=torch.int32)
+            seen = torch.zeros(len(states), self.vocab_size, dtype=torch.bool)
+            for i, s in enumerate(states):
+                out = torch.tensor(s.token_ids[s.num_prompt_tokens :], dtype=torch.int64)
+                counts[i].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+                seen[i, torch.tensor(s.token_ids, dtype=torch.int64)] = True
+            m.output_counts, m.seen_mask = counts.to(dev), seen.to(dev)
+        return m
+
+
+def _available_ram() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")

@@ -1,0 +1,3 @@
+from compiled.models.llama import ModelArgs, Transformer
+
+__all__ = ["ModelArgs", "Transformer"]

@@ -1,0 +1,191 @@
+"""The Llama family as plain modules: Llama 2/3, Mistral, SmolLM2, Qwen2/2.5, Qwen3.
+
+One forward over a packed step: all scheduled tokens of all sequences, flattened to [T]. The
+differences between the family members are config switches: q/k/v bias (Qwen2), per-head q/k
+RMSNorm (Qwen3), tied embeddings (SmolLM2), RoPE scaling (Llama 3).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from compiled.attention import AttentionMetadata, paged_attention, write_kv
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    dim: int
+    intermediate_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: dict[str, Any] | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> ModelArgs:
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r}; kiln runs {', '.join(SUPPORTED_MODEL_TYPES)}")
+        rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+        rope_theta = rope.pop("rope_theta", getattr(config, "rope_theta", 10000.0))
+        if rope.get("rope_type", rope.get("type", "default")) == "default":
+            rope = {}
+        bias = bool(getattr(config, "attention_bias", False))
+        return cls(
+            vocab_size=config.vocab_size,
+            dim=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            n_layers=config.num_hidden_layers,
+            n_heads=config.num_attention_heads,
+            n_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            norm_eps=config.rms_norm_eps,
+            rope_theta=float(rope_theta),
+            max_position_embeddings=config.max_position_embeddings,
+            rope_scaling=rope or None,
+            qkv_bias=model_type == "qwen2" or bias,
+            o_bias=bias,
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+
+def rope_inv_freq(args: ModelArgs) -> Tensor:
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.int64).float() / args.head_dim))
+    scaling = args.rope_scaling
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+        return torch.where(medium, smoothed, scaled)
+    raise NotImplementedError(f"RoPE scaling type {kind!r} is not supported")
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE (the HF layout); x is [T, heads, head_dim], cos/sin are [T, head_dim]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in float32 and cast back before scaling, as the reference does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        q_size, kv_size = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        self.wqkv = nn.Linear(args.dim, q_size + 2 * kv_size, bias=args.qkv_bias)
+        self.wo = nn.Linear(q_size, args.dim, bias=args.o_bias)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        # Paged KV cache [num_blocks, block_size, n_kv_heads, head_dim], attached by the runner.
+        self.k_cache: Tensor | None = None
+        self.v_cache: Tensor | None = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
+        T = x.shape[0]
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(T, self.n_heads, self.head_dim)
+        k = k.view(T, self.n_kv_heads, self.head_dim)
+        v = v.view(T, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+        out = paged_attention(q, self.k_cache, self.v_cache, meta, self.head_dim**-0.5)
+        return self.wo(out.reshape(T, q_size))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # gate and up, fused
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
+        h = h + self.attention(self.attention_norm(h), cos, sin, meta)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+        """Hidden states of every token of a packed step: input_ids and positions are [T]."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        h = self.tok_embeddings(input_ids)
+        cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        return self.output(hidden).float()
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
+        shape = (num_blocks, block_size, self.args.n_kv_heads, self.args.head_dim)
+        for layer in self.layers:
+            # Zeros, not empty: masked-out slots are still multiplied by 0 and must not hold NaN.
+            layer.attention.k_cache = torch.zeros(shape, device=device, dtype=dtype)
+            layer.attention.v_cache = torch.zeros(shape, device=device, dtype=dtype)

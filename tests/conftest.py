@@ -1,0 +1,61 @@
+import pytest
+import torch
+
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+def make_tiny_model(path, kind: str = "llama") -> str:
+    """Save a random-weight model of the given family to `path` (an HF directory)."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    torch.manual_seed(0)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=False))
+    elif kind == "llama3":
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 128}
+        model = LlamaForCausalLM(LlamaConfig(**TINY, rope_parameters=rope, tie_word_embeddings=True))
+    elif kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=True))
+    elif kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False))
+    else:
+        raise ValueError(kind)
+    # Random init leaves q/k/v biases at zero; make them matter.
+    for name, p in model.named_parameters():
+        if name.endswith("bias") or "norm" in name:
+            p.data.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session", params=["llama", "llama3", "qwen2", "qwen3"])
+def tiny_model(request, tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    from compiled.loader import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()

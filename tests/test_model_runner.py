@@ -1,0 +1,139 @@
+import pytest
+import torch
+
+from compiled.model_runner import ModelRunner, decode_buckets
+from engine.config import EngineConfig
+from engine.params import SamplingParams
+from engine.scheduler_output import NewRequestData
+from tests.runner_utils import MiniDriver
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def step_logits(runner: ModelRunner, so) -> dict[str, torch.Tensor]:
+    """Logits of every token the step computes, keyed by request, in position order."""
+    runner._update_states(so)
+    states = [runner.requests[rid] for rid in so.num_scheduled_tokens]
+    singles = [s for s in states if so.num_scheduled_tokens[s.req_id] == 1]
+    chunks = [s for s in states if so.num_scheduled_tokens[s.req_id] > 1]
+    (ids, pos), meta, _, _ = runner._prepare_inputs(singles, chunks, so.num_scheduled_tokens)
+    with torch.no_grad():
+        logits = runner.model.compute_logits(runner.model(ids, pos, meta))
+    out = {s.req_id: logits[i : i + 1] for i, s in enumerate(singles)}
+    offset = meta.decode_block_tables.shape[0]  # past the padding rows
+    for s in chunks:
+        n = so.num_scheduled_tokens[s.req_id]
+        out[s.req_id] = logits[offset : offset + n]
+        offset += n
+    return out
+
+
+def check_packed_step(model_dir: str, vocab: int, block_size: int = 4) -> None:
+    torch.manual_seed(1)
+    runner = ModelRunner(EngineConfig(model=model_dir, dtype="float32", block_size=8 if block_size == 8 else 16,
+                                      max_num_seqs=8, num_kv_blocks=256, enforce_eager=True))
+    runner.initialize_kv_cache(256)
+    bs = runner.block_size
+    drv = MiniDriver(runner, chunk=2 * bs)
+    prompts = {rid: torch.randint(0, vocab, (n,)).tolist() for rid, n in
+               [("chunked", 5 * bs + 3), ("decode", 7), ("one", 1), ("fresh", 2 * bs - 3)]}
+    for rid in ("chunked", "decode", "one"):
+        drv.add(rid, prompts[rid])
+    drv.step()  # chunked: first 2 blocks; decode and one: whole prompt, sampled
+    so = drv.build()  # chunked continues after cached context; decode and one decode
+    drv.add("fresh", prompts["fresh"])
+    fresh = drv.build(["fresh"])
+    so.new_reqs += fresh.new_reqs
+    so.num_scheduled_tokens.update(fresh.num_scheduled_tokens)
+    # A prefix-cache hit: shares "chunked"'s first two (computed) blocks and computes the rest.
+    hit_prompt = drv.reqs["chunked"]["tokens"][: 2 * bs] + torch.randint(0, vocab, (bs + 5,)).tolist()
+    hit_blocks = [*drv.reqs["chunked"]["blocks"][:2], 200, 201]
+    so.new_reqs.append(NewRequestData("hit", hit_prompt, len(hit_prompt), SamplingParams(temperature=0), hit_blocks,
+                                      2 * bs, 0))
+    so.num_scheduled_tokens["hit"] = bs + 5
+    so.total_num_scheduled_tokens = sum(so.num_scheduled_tokens.values())
+    ours = step_logits(runner, so)
+    hf = hf_model(model_dir)
+    seqs = {rid: r["tokens"] for rid, r in drv.reqs.items()} | {"hit": hit_prompt}
+    computed = {rid: r["computed"] for rid, r in drv.reqs.items()} | {"hit": 2 * bs}
+    assert {s.req_id for s in runner.requests.values()} == set(seqs)
+    for rid, logits in ours.items():
+        start, n = computed[rid], so.num_scheduled_tokens[rid]
+        with torch.no_grad():
+            ref = hf(torch.tensor([seqs[rid][: start + n]])).logits[0, start : start + n].float()
+        err = (logits - ref).abs().max() / ref.abs().max()
+        assert err < 1e-4, f"{rid}: relative error {err:.2e}"
+
+
+def test_packed_step_logits_match_transformers(tiny_model):
+    check_packed_step(tiny_model, vocab=320)
+
+
+@pytest.mark.slow
+def test_packed_step_logits_match_transformers_smollm2(smollm2_dir):
+    check_packed_step(smollm2_dir, vocab=49152)
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of exactly n tokens (generation does not stop at EOS)."""
+    import copy
+
+    config = copy.deepcopy(hf.generation_config)
+    config.eos_token_id = None
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), generation_config=config, max_new_tokens=n, do_sample=False,
+                          pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def chat_prompts(tokenizer, n: int) -> list[list[int]]:
+    questions = ["What is the capital of France?", "Write a haiku about autumn.", "Explain gravity to a child.",
+                 "List three prime numbers.", "Why is the sky blue? Answer in detail, please.", "Hi!",
+                 "Translate 'good morning' into Spanish and German.", "What is 17 times 23?",
+                 "Tell me a short story about a dragon who learns to bake bread in a small village."]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False) for q in questions[:n]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
+def test_greedy_generation_matches_transformers_smollm2(smollm2_dir, smollm2_hf, enforce_eager):
+    from transformers import AutoTokenizer
+
+    prompts = chat_prompts(AutoTokenizer.from_pretrained(smollm2_dir), 9)
+    runner = ModelRunner(EngineConfig(model=smollm2_dir, dtype="float32", max_num_seqs=16, num_kv_blocks=128,
+                                      max_num_batched_tokens=64, enforce_eager=enforce_eager))
+    runner.initialize_kv_cache(128)
+    drv = MiniDriver(runner, chunk=24)  # longer prompts prefill in several chunks
+    for i, p in enumerate(prompts):
+        drv.add(str(i), p)
+    ours = drv.generate(64)
+    for i, p in enumerate(prompts):
+        assert ours[str(i)] == hf_greedy(smollm2_hf, p, 64), f"prompt {i} diverged"
+
+
+def test_no_recompile_after_warmup(tiny_llama):
+    runner = ModelRunner(EngineConfig(model=tiny_llama, dtype="float32", max_num_seqs=12, num_kv_blocks=512,
+                                      max_num_batched_tokens=64, max_model_len=256))
+    runner.initialize_kv_cache(512)
+    runner.warmup()
+    torch.manual_seed(0)
+    drv = MiniDriver(runner, chunk=40)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i in range(12):  # each new prompt prefills beside the running decodes: mixed steps
+            drv.add(str(i), torch.randint(0, 320, (3 + 7 * i,)).tolist())
+            drv.step()
+        for b in range(12, 0, -1):  # every decode batch size, contexts growing past a block-table bucket
+            for _ in range(3):
+                drv.step([str(i) for i in range(b)])
+    assert all(len(r["out"]) >= 1 for r in drv.reqs.values())
+
+
+def test_decode_buckets():
+    assert decode_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert decode_buckets(100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100]
+    assert decode_buckets(3) == [1, 2, 3]

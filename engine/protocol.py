@@ -1,25 +1,59 @@
 """Every message that crosses the front end <-> engine core boundary: msgspec Structs, msgpack-encoded.
 
-Never pickle: a msgpack frame can only decode into these types.
+Never pickle: a frame decodes only into these types (a tagged union), anything else is an error.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
+from engine.config import EngineConfig
 from engine.params import SamplingParams
 
 # (sampled token logprob, [(token id, logprob) for the top-N])
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
 
 
+# ---- front end -> engine core ----------------------------------------------------------------
+
 class EngineCoreRequest(msgspec.Struct, tag=True, array_like=True):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float
+    eos_token_id: int | None = None
     cache_salt: str | None = None
 
+
+class AbortRequests(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, tag=True, array_like=True):
+    """Ask the core to run `method` (one of EngineCore.UTILITIES); answered by a UtilityResult."""
+
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+class StartCore(msgspec.Struct, tag=True, array_like=True):
+    """The first message a new engine-core process receives: how to build itself."""
+
+    config: EngineConfig
+    model_dir: str
+
+
+CoreInput = EngineCoreRequest | AbortRequests | UtilityCall | Shutdown | StartCore
+
+
+# ---- engine core -> front end ----------------------------------------------------------------
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """New tokens of one request since the last output, and its finish reason once it ends."""
@@ -27,10 +61,40 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None  # the stop token id (or string) that ended it
+    stop_reason: int | str | None = None  # the stop token id that ended it
     new_logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
+    scheduled_time: float | None = None  # first time the request was scheduled (with its first output)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class EngineCoreOutputs(msgspec.Struct, tag=True, array_like=True):
+    outputs: list[EngineCoreOutput]
+
+
+class UtilityResult(msgspec.Struct, tag=True, array_like=True):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class CoreReady(msgspec.Struct, tag=True, array_like=True):
+    """Sent once the model is loaded, the KV cache allocated and every graph compiled."""
+
+    num_kv_blocks: int
+    max_model_len: int
+    block_size: int
+    dtype: str
+    device: str
+
+
+class CoreFailed(msgspec.Struct, tag=True, array_like=True):
+    """The core hit an error it cannot continue after (sent before it exits)."""
+
+    message: str
+
+
+CoreOutput = EngineCoreOutputs | UtilityResult | CoreReady | CoreFailed

@@ -56,6 +56,10 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # The sampling seed the runner uses; the scheduler resolves a None to a random one at add time.
+        self.seed: int | None = sampling_params.seed
+        # Prefix-cache hit tokens at first admission; -1 until then (reported on the first output).
+        self.num_cached_tokens = -1
 
     @property
     def num_prompt_tokens(self) -> int:

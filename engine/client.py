@@ -1,0 +1,198 @@
+"""The front end's side of the engine-core IPC: start the core process, send inputs, receive outputs.
+
+Transport: zmq PUSH/PULL over ipc:// sockets. Chosen over multiprocessing connections because
+pyzmq has native asyncio sockets (the server's client needs no thread), queues in both directions
+without blocking the busy loop, and carries raw msgpack frames, so nothing is ever pickled.
+The core runs as a fresh `python -m engine.core` process (not a fork); it dies with its parent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from engine.config import EngineConfig
+from engine.protocol import (
+    AbortRequests,
+    CoreFailed,
+    CoreOutput,
+    CoreReady,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    Shutdown,
+    StartCore,
+    UtilityCall,
+    UtilityResult,
+)
+
+POLL_MS = 200  # how often a waiting client checks that the core process is alive
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone; every pending and future request fails with this."""
+
+
+class CoreClient:
+    """Starts the core process and owns the two sockets; subclasses add sync or async receiving."""
+
+    def __init__(self, config: EngineConfig, model_dir: str, startup_timeout: float = 1800.0) -> None:
+        self.ipc_dir = tempfile.mkdtemp(prefix="kiln-")
+        in_addr, out_addr = f"ipc://{self.ipc_dir}/in", f"ipc://{self.ipc_dir}/out"
+        self.ctx = zmq.Context()
+        self.input = self.ctx.socket(zmq.PUSH)
+        self.input.bind(in_addr)
+        self.output = self.ctx.socket(zmq.PULL)
+        self.output.bind(out_addr)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(CoreOutput)
+        self.dead: str | None = None
+        self.proc = subprocess.Popen([sys.executable, "-m", "engine.core", in_addr, out_addr], stdin=subprocess.DEVNULL)
+        self.send(StartCore(config, model_dir))
+        self.ready = self._wait_ready(startup_timeout)
+        self._call_ids = itertools.count()
+
+    def send(self, msg) -> None:
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        self.input.send(self.encoder.encode(msg), copy=False)
+
+    def _wait_ready(self, timeout: float) -> CoreReady:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.output.poll(POLL_MS):
+                msg = self.decoder.decode(self.output.recv())
+                if isinstance(msg, CoreReady):
+                    return msg
+                if isinstance(msg, CoreFailed):
+                    self._mark_dead(msg.message)
+            self.check_alive()
+        self.shutdown()
+        raise EngineDeadError(f"engine core did not become ready within {timeout:.0f} s")
+
+    def check_alive(self) -> None:
+        if self.dead is None and self.proc.poll() is not None:
+            self._mark_dead(f"engine core process exited unexpectedly (exit code {self.proc.returncode})")
+        if self.dead:
+            raise EngineDeadError(self.dead)
+
+    def _mark_dead(self, message: str) -> None:
+        self.dead = message
+        self.shutdown()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.send(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and not self.dead:
+            self.send(AbortRequests(list(request_ids)))
+
+    def _utility_call(self, method: str, args: tuple) -> UtilityCall:
+        return UtilityCall(next(self._call_ids), method, list(args))
+
+    def shutdown(self) -> None:
+        """Stop the core process and release the sockets; safe to call more than once."""
+        if self.proc.poll() is None:
+            try:
+                self.input.send(self.encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
+                self.proc.wait(timeout=5)
+            except (zmq.ZMQError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        if not self.ctx.closed:
+            self.ctx.destroy(linger=0)
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        if self.dead is None:
+            self.dead = "engine core was shut down"
+
+
+class SyncCoreClient(CoreClient):
+    """Blocking receive, for LLM."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._pending: list[EngineCoreOutput] = []
+        self._results: dict[int, UtilityResult] = {}
+
+    def get_outputs(self, timeout: float | None = None) -> list[EngineCoreOutput]:
+        """Outputs that arrived, waiting up to `timeout` s for some (None: until some arrive)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._pending:
+            self.check_alive()
+            if self.output.poll(POLL_MS):
+                self._receive(self.decoder.decode(self.output.recv()))
+            elif deadline is not None and time.monotonic() >= deadline:
+                break
+        out, self._pending = self._pending, []
+        return out
+
+    def _receive(self, msg) -> None:
+        if isinstance(msg, EngineCoreOutputs):
+            self._pending.extend(msg.outputs)
+        elif isinstance(msg, UtilityResult):
+            self._results[msg.call_id] = msg
+        elif isinstance(msg, CoreFailed):
+            self._mark_dead(msg.message)
+
+    def call_utility(self, method: str, *args) -> Any:
+        call = self._utility_call(method, args)
+        self.send(call)
+        while call.call_id not in self._results:
+            self.check_alive()
+            if self.output.poll(POLL_MS):
+                self._receive(self.decoder.decode(self.output.recv()))
+        result = self._results.pop(call.call_id)
+        if result.error:
+            raise RuntimeError(result.error)
+        return result.result
+
+
+class AsyncCoreClient(CoreClient):
+    """asyncio receive, for the server: one reader task hands outputs to `on_outputs`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.aoutput = zmq.asyncio.Socket.from_socket(self.output)
+        self._futures: dict[int, asyncio.Future] = {}
+
+    async def run_reader(self, on_outputs, on_dead) -> None:
+        """Deliver outputs until the core dies or shuts down; then call on_dead(message) once."""
+        try:
+            while True:
+                if await self.aoutput.poll(POLL_MS):
+                    msg = self.decoder.decode(await self.aoutput.recv())
+                    if isinstance(msg, EngineCoreOutputs):
+                        on_outputs(msg.outputs)
+                    elif isinstance(msg, UtilityResult):
+                        future = self._futures.pop(msg.call_id, None)
+                        if future is not None and not future.done():
+                            future.set_result(msg)
+                    elif isinstance(msg, CoreFailed):
+                        self._mark_dead(msg.message)
+                self.check_alive()
+        except (EngineDeadError, zmq.ZMQError) as e:
+            message = self.dead or str(e)
+            for future in self._futures.values():
+                if not future.done():
+                    future.set_exception(EngineDeadError(message))
+            on_dead(message)
+
+    async def call_utility(self, method: str, *args) -> Any:
+        call = self._utility_call(method, args)
+        future = asyncio.get_running_loop().create_future()
+        self._futures[call.call_id] = future
+        self.send(call)
+        result = await future
+        if result.error:
+            raise RuntimeError(result.error)
+        return result.result

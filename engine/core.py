@@ -1,0 +1,222 @@
+"""The engine core: a busy loop in its own process that owns the scheduler and the KV cache.
+
+Each iteration: drain new requests and aborts → Scheduler.schedule() → ModelRunner.execute_model()
+→ Scheduler.update_from_output() → send outputs. With nothing to do it blocks on its input socket.
+The front end starts it as `python -m engine.core IN OUT` (a fresh interpreter, never a fork) and
+sends StartCore first; every message is msgpack (engine/protocol.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import time
+
+import msgspec
+import zmq
+
+from engine.config import EngineConfig
+from engine.protocol import (
+    AbortRequests,
+    CoreFailed,
+    CoreInput,
+    CoreReady,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    Shutdown,
+    StartCore,
+    UtilityCall,
+    UtilityResult,
+)
+from engine.request import Request
+from engine.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger("kiln.core")
+
+STATS_INTERVAL_S = 5.0
+
+
+class EngineCore:
+    """Scheduler + model runner, stepping together; no I/O (EngineCoreProc adds that)."""
+
+    UTILITIES = ("stats", "reset_prefix_cache")
+
+    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+        from compiled.model_runner import ModelRunner  # torch is imported only in this process
+
+        logger.info("engine config: %s", msgspec.json.encode(config).decode())
+        self.config = msgspec.structs.replace(config, model=model_dir)
+        self.runner = ModelRunner(self.config)
+        start = time.perf_counter()
+        num_blocks = self.runner.determine_num_blocks()
+        self.runner.initialize_kv_cache(num_blocks)
+        self.runner.warmup()
+        logger.info("engine ready in %.1f s after loading weights", time.perf_counter() - start)
+        c = self.config
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+            max_model_len=self.runner.max_model_len, block_size=c.block_size, num_blocks=num_blocks,
+            enable_prefix_caching=c.enable_prefix_caching, enable_chunked_prefill=c.enable_chunked_prefill,
+            long_prefill_token_threshold=c.long_prefill_token_threshold))
+        self.scheduled_time: dict[str, float] = {}
+        self._tokens = [0, 0]  # prompt, generation tokens since the last stats line
+        self._last_stats = time.monotonic()
+
+    def ready_message(self) -> CoreReady:
+        r = self.runner
+        return CoreReady(r.num_blocks, r.max_model_len, r.block_size, str(r.dtype).removeprefix("torch."), str(r.device))
+
+    def add_request(self, req: EngineCoreRequest) -> EngineCoreOutput | None:
+        """Queue a request; a request that can never run is finished at once ("abort", reason in stop_reason)."""
+        request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_id,
+                          req.arrival_time, req.cache_salt)
+        try:
+            self.scheduler.add_request(request)
+        except ValueError as e:
+            return EngineCoreOutput(req.request_id, [], finish_reason="abort", stop_reason=str(e))
+        return None
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        for rid in request_ids:
+            self.scheduled_time.pop(rid, None)
+        return self.scheduler.abort_requests(request_ids)
+
+    def step(self) -> list[EngineCoreOutput]:
+        so = self.scheduler.schedule()
+        if so.is_empty:
+            self.runner.execute_model(so)  # still drops the state of requests finished since the last step
+            return []
+        now = time.time()
+        for new in so.new_reqs:
+            self.scheduled_time.setdefault(new.req_id, now)
+        runner_output = self.runner.execute_model(so)
+        outputs = self.scheduler.update_from_output(so, runner_output)
+        # Multi-token chunks are prompt work (or recomputation after a preemption).
+        self._tokens[0] += sum(n for n in so.num_scheduled_tokens.values() if n > 1)
+        for out in outputs:
+            self._tokens[1] += len(out.new_token_ids)
+            out.scheduled_time = self.scheduled_time.pop(out.request_id, None)  # only on the first output
+        self._maybe_log_stats()
+        return outputs
+
+    def stats(self) -> dict:
+        return dataclasses.asdict(self.scheduler.stats())
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def _maybe_log_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._last_stats < STATS_INTERVAL_S:
+            return
+        dt, s = now - self._last_stats, self.stats()
+        logger.info(
+            "running: %d, waiting: %d, KV usage: %.1f%%, prefix-cache hit rate: %.1f%%, "
+            "prompt: %.1f tok/s, generation: %.1f tok/s, preemptions: %d",
+            s["num_running"], s["num_waiting"], 100 * s["kv_cache_usage"],
+            100 * s["prefix_cache_hits"] / max(s["prefix_cache_queries"], 1),
+            self._tokens[0] / dt, self._tokens[1] / dt, s["num_preemptions"])
+        self._tokens, self._last_stats = [0, 0], now
+
+
+class EngineCoreProc:
+    """EngineCore behind two zmq sockets: PULL for inputs, PUSH for outputs."""
+
+    def __init__(self, input_addr: str, output_addr: str) -> None:
+        self.ctx = zmq.Context(io_threads=1)
+        self.input = self.ctx.socket(zmq.PULL)
+        self.input.connect(input_addr)
+        self.output = self.ctx.socket(zmq.PUSH)
+        self.output.connect(output_addr)
+        self.decoder = msgspec.msgpack.Decoder(CoreInput)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.core: EngineCore | None = None
+
+    def send(self, msg) -> None:
+        self.output.send(self.encoder.encode(msg), copy=False)
+
+    def run(self) -> None:
+        start = self.decoder.decode(self.input.recv())
+        if not isinstance(start, StartCore):
+            raise RuntimeError(f"expected StartCore first, got {type(start).__name__}")
+        try:
+            self.core = EngineCore(start.config, start.model_dir)
+        except Exception as e:
+            logger.exception("engine core failed to start")
+            self.send(CoreFailed(f"engine core failed to start: {type(e).__name__}: {e}"))
+            raise
+        self.send(self.core.ready_message())
+        try:
+            while True:
+                busy = self.core.scheduler.has_unfinished_requests()
+                # Idle: block until something arrives. Busy: take only what is already queued.
+                if not self._drain_inputs(block=not busy):
+                    return
+                outputs = self.core.step()
+                if outputs:
+                    self.send(EngineCoreOutputs(outputs))
+        except Exception as e:
+            logger.exception("engine core failed")
+            self.send(CoreFailed(f"engine core failed: {type(e).__name__}: {e}"))
+            raise
+
+    def _drain_inputs(self, block: bool) -> bool:
+        """Apply every pending input; False once asked to shut down."""
+        outputs: list[EngineCoreOutput] = []
+        flags = 0 if block else zmq.NOBLOCK
+        while True:
+            try:
+                frame = self.input.recv(flags)
+            except zmq.Again:
+                break
+            flags = zmq.NOBLOCK
+            msg = self.decoder.decode(frame)
+            if isinstance(msg, EngineCoreRequest):
+                rejected = self.core.add_request(msg)
+                if rejected is not None:
+                    outputs.append(rejected)
+            elif isinstance(msg, AbortRequests):
+                outputs.extend(self.core.abort_requests(msg.request_ids))
+            elif isinstance(msg, UtilityCall):
+                self.send(self._utility(msg))
+            elif isinstance(msg, Shutdown):
+                return False
+        if outputs:
+            self.send(EngineCoreOutputs(outputs))
+        return True
+
+    def _utility(self, call: UtilityCall) -> UtilityResult:
+        if call.method not in EngineCore.UTILITIES:
+            return UtilityResult(call.call_id, error=f"unknown utility {call.method!r}")
+        try:
+            return UtilityResult(call.call_id, getattr(self.core, call.method)(*call.args))
+        except Exception as e:  # a failed utility call must not take the engine down
+            return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGTERM us when the front end exits, however it exits: no orphans."""
+    PR_SET_PDEATHSIG = 1
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        sys.exit(1)
+
+
+def main() -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
+    logging.basicConfig(level=os.environ.get("KILN_LOG_LEVEL", "INFO"), stream=sys.stderr,
+                        format="%(levelname)s %(asctime)s [core] %(message)s", datefmt="%H:%M:%S")
+    EngineCoreProc(sys.argv[1], sys.argv[2]).run()
+
+
+if __name__ == "__main__":
+    main()

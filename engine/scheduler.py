@@ -1,0 +1,314 @@
+"""Continuous batching in the vLLM V1 style: no prefill or decode phases, one token budget per step.
+
+Each ``schedule()`` spends ``max_num_batched_tokens`` over at most ``max_num_seqs`` requests:
+running ones first in admission order (decodes and unfinished prefill chunks alike), then waiting
+ones first come, first served. A request is just ``num_computed_tokens`` chasing ``num_tokens``.
+
+``num_computed_tokens`` advances in ``schedule()`` (as in vLLM): the runner receives the value the
+step starts from, and after ``schedule()`` it already counts the step's tokens. So a request is
+still prefilling after a step iff ``num_computed_tokens < num_tokens``; it gets a sampled token in
+``update_from_output()`` otherwise.
+
+Preemption is by recompute: the most recently admitted running request gives up its blocks,
+keeps its tokens (prompt and outputs) and goes back to the front of the waiting queue.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.protocol import EngineCoreOutput
+from engine.request import Request, RequestStatus
+from engine.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig:
+    max_model_len: int
+    num_blocks: int  # including the null block
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0: a prefill chunk is limited by the budget only
+
+    def __post_init__(self) -> None:
+        lows = {"max_model_len": 2, "num_blocks": 2, "max_num_seqs": 1, "max_num_batched_tokens": 1,
+                "block_size": 1, "long_prefill_token_threshold": 0}  # fmt: skip
+        for name, low in lows.items():
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int  # tokens looked up (cumulative)
+    prefix_cache_hits: int  # tokens found (cumulative)
+    num_preemptions: int  # cumulative
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, eos_token_id: int | None = None) -> None:
+        self.config = config
+        self.eos_token_id = eos_token_id
+        self.kv_cache_manager = KVCacheManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order
+        self.finished_req_ids: set[str] = set()  # since the last schedule()
+        self.num_preemptions = 0
+        # A request also stops ("length") once its KV would outgrow the whole pool (its last token
+        # needs no KV, hence +1). Without this cap a lone request that outgrew the pool would
+        # preempt itself forever; with it, the first running request can always get its blocks.
+        self.max_len = min(config.max_model_len, (config.num_blocks - 1) * config.block_size + 1)
+
+    # ---- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError if it is a duplicate or its prompt could never be served."""
+        cfg, rid, n = self.config, request.request_id, request.num_prompt_tokens
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if n == 0:
+            raise ValueError(f"request {rid!r}: the prompt is empty")
+        if n >= cfg.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: the prompt has {n} tokens but max_model_len is {cfg.max_model_len}, "
+                "which leaves no room for an output token"
+            )
+        if n >= self.max_len:
+            raise ValueError(
+                f"request {rid!r}: the prompt has {n} tokens, needing {-(-n // cfg.block_size)} KV blocks "
+                f"of {cfg.block_size} tokens, but the cache has only {cfg.num_blocks - 1}"
+            )
+        if not cfg.enable_chunked_prefill and n > cfg.max_num_batched_tokens:
+            raise ValueError(
+                f"request {rid!r}: the prompt has {n} tokens, more than max_num_batched_tokens "
+                f"({cfg.max_num_batched_tokens}), and chunked prefill is disabled"
+            )
+        if request.seed is None:
+            request.seed = random.getrandbits(63)
+        if request.eos_token_id is None:
+            request.eos_token_id = self.eos_token_id
+        request.status = RequestStatus.WAITING
+        self.requests[rid] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish the live ones among ``request_ids`` with ``status``, free their blocks; returns them."""
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        assert status.finished, status
+        done: list[Request] = []
+        was_waiting = False
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.status.finished:  # unknown or finished already: idempotent
+                continue
+            was_waiting |= req.status != RequestStatus.RUNNING
+            req.status = status
+            done.append(req)
+        self._release(done, was_waiting)
+        return done
+
+    def _release(self, done: list[Request], was_waiting: bool) -> None:
+        """Forget finished requests and free their blocks (full ones stay in the prefix cache)."""
+        if not done:
+            return
+        for req in done:
+            del self.requests[req.request_id]
+            self.kv_cache_manager.free(req)
+            self.finished_req_ids.add(req.request_id)
+        self.running = [r for r in self.running if not r.status.finished]
+        if was_waiting:  # only then pay for a pass over the (possibly long) waiting queue
+            self.waiting = deque(r for r in self.waiting if not r.status.finished)
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> list[EngineCoreOutput]:
+        """Abort live requests (unknown or finished ids are ignored); one "abort" output per abort."""
+        return [
+            EngineCoreOutput(r.request_id, [], finish_reason="abort", num_cached_tokens=self._cached(r, True))
+            for r in self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        ]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        cfg, kv = self.config, self.kv_cache_manager
+        budget = cfg.max_num_batched_tokens
+        threshold = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0
+        out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = set()
+        num_scheduled = out.num_scheduled_tokens
+        preempted = False
+
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
+            if threshold and n > threshold:
+                n = threshold
+            if n <= 0:  # nothing to compute until its sampled token arrives
+                i += 1
+                continue
+            while (new_blocks := kv.allocate_slots(req, n)) is None:
+                victim = running.pop()  # most recently admitted; never one already scheduled (index < i)
+                self._preempt(victim, out)
+                preempted = True
+                if victim is req:
+                    break
+            if new_blocks is None:  # req preempted itself: it was the last running request
+                break
+            rid = req.request_id
+            out.cached_reqs.append(
+                CachedRequestData(rid, [b.block_id for b in new_blocks], req.num_computed_tokens)
+            )
+            num_scheduled[rid] = n
+            req.num_computed_tokens += n
+            budget -= n
+            i += 1
+
+        # Admitting after a preemption would only take blocks the preempted requests need back.
+        waiting = self.waiting
+        while not preempted and waiting and budget > 0 and len(running) < cfg.max_num_seqs:
+            req = waiting[0]
+            computed_blocks, num_hit = kv.get_computed_blocks(req)
+            n = req.num_tokens - num_hit
+            if threshold and n > threshold:
+                n = threshold
+            if n > budget:
+                # Without chunked prefill the whole rest must fit this step; a request resumed after
+                # preemption may have outgrown the full budget, and only chunking lets it run at all.
+                if not cfg.enable_chunked_prefill and n <= cfg.max_num_batched_tokens:
+                    break
+                n = budget
+            new_blocks = kv.allocate_slots(req, n, computed_blocks, num_hit)
+            if new_blocks is None:
+                break
+            waiting.popleft()
+            running.append(req)
+            req.status = RequestStatus.RUNNING
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            rid = req.request_id
+            out.new_reqs.append(
+                NewRequestData(
+                    rid,
+                    list(req.all_token_ids),  # a copy: the runner may append to its own
+                    req.num_prompt_tokens,
+                    req.sampling_params,
+                    kv.get_block_ids(rid),
+                    num_hit,
+                    req.seed,
+                )
+            )
+            num_scheduled[rid] = n
+            req.num_computed_tokens = num_hit + n
+            budget -= n
+
+        out.total_num_scheduled_tokens = cfg.max_num_batched_tokens - budget
+        return out
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.finished_req_ids.add(req.request_id)  # the runner drops it; it comes back as a new request
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop rules, free finished requests; one output per request
+        that got tokens or finished. (``num_computed_tokens`` already advanced in schedule().)"""
+        outputs: list[EngineCoreOutput] = []
+        finished: list[Request] = []
+        was_waiting = False
+        requests = self.requests
+        all_logprobs = runner_output.logprobs
+        for i, (rid, token_ids) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
+            if not token_ids:  # still prefilling
+                continue
+            req = requests.get(rid)
+            if req is None:  # finished or aborted since it was scheduled
+                continue
+            first = req.num_output_tokens == 0
+            status = None
+            for k, token in enumerate(token_ids):
+                req.append_output_token(token)
+                status = self._check_stop(req, token)
+                if status is not None:
+                    token_ids = token_ids[: k + 1]
+                    break
+            logprobs = all_logprobs[i] if all_logprobs is not None else None
+            if logprobs is not None:
+                logprobs = logprobs[: len(token_ids)]
+            if status is not None:
+                # Not running: preempted after it was scheduled (overlapped scheduling).
+                was_waiting |= req.status != RequestStatus.RUNNING
+                req.status = status
+                finished.append(req)
+            outputs.append(
+                EngineCoreOutput(
+                    rid,
+                    list(token_ids),
+                    finish_reason=status.finish_reason if status is not None else None,
+                    stop_reason=req.stop_reason,
+                    new_logprobs=logprobs,
+                    num_cached_tokens=self._cached(req, first),
+                )
+            )
+        self._release(finished, was_waiting)
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        num_output = len(req.output_token_ids)
+        if num_output >= sp.min_tokens:
+            if token == req.eos_token_id and not sp.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in sp.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if sp.max_tokens is not None and num_output >= sp.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if len(req.all_token_ids) >= self.max_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    @staticmethod
+    def _cached(req: Request, first: bool) -> int:
+        # Reported once, with the request's first output.
+        return max(req.num_cached_tokens, 0) if first else 0

@@ -1,0 +1,264 @@
+"""The Scheduler driven by a fake model runner, under tiny pools and budgets that force chunking,
+preemption and prefix hits.
+
+The fake runner keeps its own per-request state from SchedulerOutputs alone (tokens, block table,
+computed count), as the real one does, so the test also checks that the messages are sufficient:
+its view must always match the scheduler's.
+"""
+
+import random
+from dataclasses import dataclass
+
+from hypothesis import event
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from engine.params import SamplingParams
+from engine.request import Request, RequestStatus
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler_output import ModelRunnerOutput
+
+EOS = 0
+STOP_IDS = [3, 4]
+prompts = st.builds(
+    lambda prefix, suffix: list(prefix) + suffix,
+    st.sampled_from([(), (5, 6, 7, 8), (5, 6, 7, 8, 9, 9, 9, 9), (1,) * 7]),
+    st.lists(st.integers(1, 9), min_size=1, max_size=8),
+)
+
+
+@dataclass
+class RunnerState:
+    tokens: list[int]
+    block_ids: list[int]
+    computed: int
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(
+        block_size=st.sampled_from([1, 2, 4, 4]),
+        num_blocks=st.integers(2, 16),
+        budget=st.integers(1, 24),
+        max_seqs=st.integers(1, 4),
+        max_model_len=st.integers(2, 48),
+        chunked=st.booleans(),
+        caching=st.booleans(),
+        threshold=st.sampled_from([0, 0, 1, 3]),
+        seed=st.integers(0, 2**16),
+    )
+    def setup(
+        self, block_size, num_blocks, budget, max_seqs, max_model_len, chunked, caching, threshold, seed
+    ):
+        self.cfg = SchedulerConfig(
+            max_model_len=max_model_len,
+            num_blocks=num_blocks,
+            max_num_seqs=max_seqs,
+            max_num_batched_tokens=budget,
+            block_size=block_size,
+            enable_prefix_caching=caching,
+            enable_chunked_prefill=chunked,
+            long_prefill_token_threshold=threshold,
+        )
+        self.sched = Scheduler(self.cfg, eos_token_id=EOS)
+        self.rng = random.Random(seed)
+        self.runner: dict[str, RunnerState] = {}
+        self.finished: dict[str, str] = {}  # request id -> finish reason
+        self.emitted: dict[str, list[int]] = {}  # request id -> tokens streamed in outputs
+        self.next_id = 0
+
+    # ---- the fake runner and one engine step ---------------------------------------------------
+
+    def step(self) -> None:
+        cfg, sched = self.cfg, self.sched
+        out = sched.schedule()
+        sched_tokens = out.num_scheduled_tokens
+        assert out.total_num_scheduled_tokens == sum(sched_tokens.values()) <= cfg.max_num_batched_tokens
+        assert len(sched_tokens) <= cfg.max_num_seqs
+        assert all(n > 0 for n in sched_tokens.values())
+        for rid in out.finished_req_ids:
+            self.runner.pop(rid, None)
+        for new in out.new_reqs:
+            assert new.req_id not in self.runner
+            req = sched.requests[new.req_id]
+            assert new.seed == req.seed and new.num_prompt_tokens == req.num_prompt_tokens
+            if new.num_computed_tokens:
+                event("prefix-cache hit")
+            self.runner[new.req_id] = RunnerState(
+                list(new.token_ids), list(new.block_ids), new.num_computed_tokens
+            )
+        for cached in out.cached_reqs:
+            state = self.runner[cached.req_id]
+            assert cached.num_computed_tokens == state.computed
+            state.block_ids.extend(cached.new_block_ids)
+        assert {n.req_id for n in out.new_reqs} | {c.req_id for c in out.cached_reqs} == set(sched_tokens)
+
+        req_ids, sampled = [], []
+        for rid, n in sched_tokens.items():
+            state = self.runner[rid]
+            assert state.block_ids == sched.kv_cache_manager.get_block_ids(rid)
+            end = state.computed + n
+            assert end <= len(state.tokens), "computing tokens that are not known yet"
+            assert end <= len(state.block_ids) * cfg.block_size, "a scheduled token without a slot"
+            assert 0 not in state.block_ids
+            state.computed = end
+            req_ids.append(rid)
+            if end == len(state.tokens):
+                r = self.rng.random()
+                token = EOS if r < 0.08 else self.rng.choice(STOP_IDS) if r < 0.16 else self.rng.randint(1, 9)
+                state.tokens.append(token)
+                sampled.append([token])
+            else:
+                sampled.append([])
+        outputs = sched.update_from_output(out, ModelRunnerOutput(req_ids, sampled))
+
+        for o in outputs:
+            self.emitted.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                self.check_finish(o.request_id, o.finish_reason, o.stop_reason)
+        for rid, state in self.runner.items():
+            if rid in sched.requests:
+                assert sched.requests[rid].all_token_ids == state.tokens
+
+    def check_finish(self, rid: str, reason: str, stop_reason) -> None:
+        req = self.requests_by_id[rid]
+        sp, outs = req.sampling_params, req.output_token_ids
+        assert rid not in self.sched.requests and rid not in self.finished
+        assert self.emitted.get(rid, []) == outs
+        self.finished[rid] = reason
+        event(f"finish: {reason}")
+        if reason == "abort":
+            return
+        assert req.num_output_tokens >= 1
+        for i, t in enumerate(outs[:-1]):  # nothing before the last token should have stopped it
+            if i + 1 >= sp.min_tokens:
+                assert t not in sp.stop_token_ids and (sp.ignore_eos or t != EOS)
+        assert len(outs) <= (sp.max_tokens or 10**9) and req.num_tokens <= self.sched.max_len
+        if reason == "length":
+            assert len(outs) == sp.max_tokens or req.num_tokens == self.sched.max_len
+        else:
+            assert reason == "stop" and len(outs) >= sp.min_tokens
+            if stop_reason is None:
+                assert outs[-1] == EOS and not sp.ignore_eos
+            else:
+                assert outs[-1] == stop_reason in sp.stop_token_ids
+
+    # ---- rules ---------------------------------------------------------------------------------
+
+    @rule(
+        prompt=prompts,
+        max_tokens=st.one_of(st.none(), st.integers(1, 12)),
+        min_tokens=st.integers(0, 3),
+        stop=st.booleans(),
+        ignore_eos=st.booleans(),
+    )
+    def add(self, prompt, max_tokens, min_tokens, stop, ignore_eos) -> None:
+        if max_tokens is not None:
+            min_tokens = min(min_tokens, max_tokens)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            min_tokens=min_tokens,
+            stop_token_ids=STOP_IDS if stop else [],
+            ignore_eos=ignore_eos,
+        )
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        req = Request(rid, prompt, params)
+        cfg, n = self.cfg, len(prompt)
+        fits = n < cfg.max_model_len and n <= (cfg.num_blocks - 1) * cfg.block_size
+        fits &= cfg.enable_chunked_prefill or n <= cfg.max_num_batched_tokens
+        try:
+            self.sched.add_request(req)
+        except ValueError:
+            assert not fits
+            event("add: rejected")
+            return
+        assert fits
+        self.requests_by_id[rid] = req
+
+    @rule(prompt=prompts, copies=st.integers(2, 4), max_tokens=st.integers(1, 12))
+    def burst(self, prompt, copies, max_tokens) -> None:
+        """Several requests sharing a prompt: prefix hits and memory pressure."""
+        for _ in range(copies):
+            self.add(prompt, max_tokens, 0, False, True)
+
+    @rule()
+    def one_step(self) -> None:
+        self.step()
+
+    @rule(n=st.integers(2, 6))
+    def steps(self, n) -> None:
+        for _ in range(n):
+            self.step()
+
+    @rule(data=st.data())
+    def abort(self, data) -> None:
+        ids = [*sorted(self.requests_by_id), "unknown"]
+        picked = data.draw(st.lists(st.sampled_from(ids), max_size=3))
+        live = [rid for rid in dict.fromkeys(picked) if rid in self.sched.requests]
+        outputs = self.sched.abort_requests(picked)
+        assert [o.request_id for o in outputs] == live
+        for o in outputs:
+            assert o.finish_reason == "abort" and o.new_token_ids == []
+            self.check_finish(o.request_id, "abort", None)
+        assert self.sched.abort_requests(picked) == []  # idempotent
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        assert self.sched.reset_prefix_cache() == (not self.sched.running)
+
+    # ---- invariants ----------------------------------------------------------------------------
+
+    @invariant()
+    def queues_and_blocks_are_consistent(self) -> None:
+        if not hasattr(self, "sched"):
+            return
+        sched, kv = self.sched, self.sched.kv_cache_manager
+        pool = kv.block_pool
+        running, waiting = sched.running, list(sched.waiting)
+        assert len(running) <= self.cfg.max_num_seqs
+        assert {r.request_id for r in running + waiting} == set(sched.requests)
+        assert len(running) + len(waiting) == len(sched.requests)
+        for r in running:
+            assert r.status == RequestStatus.RUNNING
+            assert 0 < r.num_computed_tokens <= r.num_tokens < sched.max_len
+            assert len(kv.get_block_ids(r.request_id)) * self.cfg.block_size >= r.num_computed_tokens
+        for r in waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert r.num_computed_tokens == 0 and kv.get_block_ids(r.request_id) == []
+        held: dict[int, int] = {}
+        for r in running:
+            for bid in kv.get_block_ids(r.request_id):
+                held[bid] = held.get(bid, 0) + 1
+        for b in pool.blocks[1:]:
+            assert b.ref_cnt == held.get(b.block_id, 0)
+        assert pool.get_num_free_blocks() + len(held) == pool.num_blocks - 1
+
+    def teardown(self) -> None:
+        if not hasattr(self, "sched"):
+            return
+        sched = self.sched
+        # The first running request can always get its blocks and makes progress every step, so
+        # each request finishes within about max_len steps once it is first in line.
+        bound = 10 + (sched.max_len + 2) * (len(sched.requests) + 1)
+        for _ in range(bound):
+            if not sched.has_unfinished_requests():
+                break
+            self.step()
+        assert not sched.has_unfinished_requests(), f"not done after {bound} steps: {sched.requests}"
+        assert set(self.finished) == set(self.requests_by_id)
+        pool = sched.kv_cache_manager.block_pool
+        assert sched.stats().kv_cache_usage == 0.0
+        assert pool.get_num_free_blocks() == pool.num_blocks - 1
+        self.step()  # delivers the last finished ids to the runner
+        assert not self.runner
+        if sched.stats().num_preemptions:
+            event("preemptions happened")
+
+    requests_by_id: dict[str, Request]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests_by_id = {}
+
+
+TestScheduler = SchedulerMachine.TestCase

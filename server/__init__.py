@@ -1,0 +1,1 @@
+"""kiln's "talk" box: the OpenAI-compatible HTTP server and the `kiln` command line."""

@@ -1,0 +1,88 @@
+"""The `kiln` command line: generate, serve, bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from engine.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags, named as vLLM names them."""
+    d = EngineConfig()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--dtype", default=d.dtype, help="auto (bfloat16 where fast, else float32), float32, bfloat16")
+    g.add_argument("--device", default=d.device, help="auto, cpu or cuda")
+    g.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument("--block-size", type=int, default=d.block_size)
+    g.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory, help="bytes for the KV cache")
+    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=d.enable_chunked_prefill)
+    g.add_argument("--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold)
+    g.add_argument("--enforce-eager", action="store_true", help="skip torch.compile")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, help="only 1 is supported")
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads of the engine core")
+
+
+def engine_args(args: argparse.Namespace) -> dict:
+    names = ["dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+             "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching", "enable_chunked_prefill",
+             "long_prefill_token_threshold", "enforce_eager", "tensor_parallel_size", "num_threads"]
+    return {n: getattr(args, n) for n in names}
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from engine.llm import AsyncLLM
+    from engine.params import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    llm = AsyncLLM(args.model, **engine_args(args))
+    prompt = args.prompt if args.raw else llm.chat_prompt([{"role": "user", "content": args.prompt}])
+
+    async def stream() -> None:
+        async for out in llm.generate(prompt, params):
+            sys.stdout.write(out.outputs[0].delta_text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+
+    try:
+        asyncio.run(stream())
+    finally:
+        llm.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kiln", description="kiln: a compile-first LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="stream one completion to the terminal")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2)")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.7)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s", datefmt="%H:%M:%S")
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except ValueError as e:
+        parser.error(str(e))
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,391 @@
+import itertools
+from collections.abc import Callable
+
+import pytest
+
+from engine.params import SamplingParams
+from engine.request import Request, RequestStatus
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+EOS = 0
+_fresh = itertools.count(1000)
+
+
+def make(**kw) -> Scheduler:
+    cfg = dict(max_model_len=256, num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=8)
+    cfg.update(kw)
+    return Scheduler(SchedulerConfig(**cfg), eos_token_id=EOS)
+
+
+def add(s: Scheduler, rid: str, prompt: list[int] | int, **params) -> Request:
+    if isinstance(prompt, int):
+        prompt = [next(_fresh) for _ in range(prompt)]  # fresh tokens: no accidental prefix hits
+    params.setdefault("max_tokens", 100)
+    r = Request(rid, prompt, SamplingParams(**params))
+    s.add_request(r)
+    return r
+
+
+def step(s: Scheduler, token: int | Callable[[str], int] = 7, logprobs: bool = False):
+    """schedule() + a fake runner that samples for every request whose chunk reached its end."""
+    out = s.schedule()
+    ids = list(out.num_scheduled_tokens)
+    sample = token if callable(token) else (lambda _rid: token)
+    toks = [[sample(r)] if s.requests[r].num_computed_tokens == s.requests[r].num_tokens else [] for r in ids]
+    lps = [[(-0.5, [(t[0], -0.5)])] if t else None for t in toks] if logprobs else None
+    return out, s.update_from_output(out, ModelRunnerOutput(ids, toks, lps))
+
+
+def by_id(outputs) -> dict:
+    return {o.request_id: o for o in outputs}
+
+
+# ---- admission and rejection ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prompt", "kw", "match"),
+    [
+        (0, {}, "empty"),
+        (16, dict(max_model_len=16), "max_model_len"),
+        (17, dict(num_blocks=5), "KV blocks"),  # 4 usable blocks of 4 tokens
+        (65, dict(enable_chunked_prefill=False), "chunked prefill"),
+    ],
+)
+def test_prompts_that_can_never_fit_are_rejected(prompt, kw, match):
+    s = make(**kw)
+    with pytest.raises(ValueError, match=match):
+        add(s, "a", prompt)
+    assert not s.has_unfinished_requests()
+
+
+def test_largest_fitting_prompts_are_accepted():
+    add(make(max_model_len=16), "a", 15)
+    add(make(num_blocks=5), "a", 16)
+    add(make(enable_chunked_prefill=False), "a", 64)
+
+
+def test_duplicate_request_id_is_rejected():
+    s = make()
+    add(s, "a", 4)
+    with pytest.raises(ValueError, match="already"):
+        add(s, "a", 4)
+
+
+def test_seed_is_resolved_at_add_time():
+    s = make()
+    assert add(s, "a", 4, seed=123).seed == 123
+    b = add(s, "b", 4)
+    assert isinstance(b.seed, int) and 0 <= b.seed < 2**63
+    out, _ = step(s)
+    assert {n.req_id: n.seed for n in out.new_reqs} == {"a": 123, "b": b.seed}
+
+
+# ---- budgets and chunks -----------------------------------------------------------------------
+
+
+def test_budget_is_split_over_waiting_requests_fcfs():
+    s = make(max_num_batched_tokens=12)
+    add(s, "a", 10)
+    add(s, "b", 10)
+    out, outs = step(s)
+    assert out.num_scheduled_tokens == {"a": 10, "b": 2}
+    assert [o.request_id for o in outs] == ["a"]  # b is still prefilling
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 8}  # running first: a's decode, then b's chunk
+    assert [c.num_computed_tokens for c in out.cached_reqs] == [10, 2]
+    assert out.total_num_scheduled_tokens == 9
+
+
+def test_long_prefill_token_threshold_caps_chunks():
+    s = make(long_prefill_token_threshold=4)
+    add(s, "a", 10)
+    sizes = []
+    for _ in range(4):
+        out, _ = step(s)
+        sizes.append(out.num_scheduled_tokens["a"])
+    assert sizes == [4, 4, 2, 1]
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_budget_it_fits():
+    s = make(max_num_batched_tokens=10, enable_chunked_prefill=False)
+    add(s, "a", 10, max_tokens=2)
+    add(s, "b", 10)
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"a": 10}
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"a": 1}  # 9 left but b needs 10 in one go: it waits
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"b": 10}
+    s2 = make(max_num_batched_tokens=12, enable_chunked_prefill=False)
+    add(s2, "a", 10)
+    add(s2, "b", 2)
+    out, _ = step(s2)
+    assert out.num_scheduled_tokens == {"a": 10, "b": 2}
+
+
+def test_max_num_seqs():
+    s = make(max_num_seqs=2)
+    for i in range(3):
+        add(s, f"r{i}", 3)
+    out, _ = step(s)
+    assert set(out.num_scheduled_tokens) == {"r0", "r1"}
+    assert len(s.waiting) == 1
+
+
+def test_scheduled_tokens_have_blocks():
+    s = make(max_num_batched_tokens=5)
+    add(s, "a", 9)
+    out, _ = step(s)
+    assert out.new_reqs[0].block_ids == s.kv_cache_manager.get_block_ids("a")
+    assert len(out.new_reqs[0].block_ids) == 2  # 5 tokens in blocks of 4
+    out, _ = step(s)
+    assert out.cached_reqs[0].new_block_ids == s.kv_cache_manager.get_block_ids("a")[2:]
+
+
+# ---- prefix caching ---------------------------------------------------------------------------
+
+
+def test_prefix_hits_skip_cached_tokens():
+    s = make()
+    add(s, "a", list(range(1, 11)))
+    _, outs = step(s)
+    assert outs[0].num_cached_tokens == 0
+    add(s, "b", list(range(1, 11)))
+    out, outs = step(s)
+    (new,) = out.new_reqs
+    assert new.req_id == "b" and new.num_computed_tokens == 8
+    assert out.num_scheduled_tokens["b"] == 2
+    assert by_id(outs)["b"].num_cached_tokens == 8
+    _, outs = step(s)
+    assert by_id(outs)["b"].num_cached_tokens == 0  # reported on the first output only
+    st = s.stats()
+    assert st.prefix_cache_queries == 20 and st.prefix_cache_hits == 8
+
+
+# ---- preemption -------------------------------------------------------------------------------
+
+
+def test_preemption_takes_the_most_recently_admitted_and_keeps_its_tokens():
+    s = make(num_blocks=7, max_num_batched_tokens=64)  # 6 usable blocks of 4
+    for rid in ("a", "b", "c"):
+        add(s, rid, 4, ignore_eos=True)  # one block each, then decode
+    step(s)
+    assert [r.request_id for r in s.running] == ["a", "b", "c"]
+    # Each request gets a second block, then a and b need a third; c must give way.
+    out, _ = step(s)
+    out, _ = step(s)
+    for _ in range(3):
+        out, _ = step(s)
+    assert out.finished_req_ids == {"c"}
+    c = s.requests["c"]
+    assert c.status == RequestStatus.PREEMPTED and c.num_preemptions == 1
+    assert c.num_computed_tokens == 0 and c.num_output_tokens == 5  # its tokens are kept
+    assert list(s.waiting) == [c] and [r.request_id for r in s.running] == ["a", "b"]
+    assert "c" not in out.num_scheduled_tokens and not out.new_reqs
+    assert s.stats().num_preemptions == 1
+
+
+def test_preempted_request_goes_to_the_front_and_resumes_with_all_tokens():
+    s = make(num_blocks=5, max_num_batched_tokens=64)  # 4 usable blocks of 4
+    add(s, "a", 4, ignore_eos=True, max_tokens=8)
+    add(s, "b", 4, ignore_eos=True, max_tokens=8)
+    add(s, "c", 2, ignore_eos=True, max_tokens=1)  # waits behind b; a preempted b must go before it
+    preempted_at = None
+    for i in range(20):
+        out, _ = step(s)
+        if "b" in out.finished_req_ids and preempted_at is None:
+            preempted_at = i
+            assert [r.request_id for r in s.waiting][:1] == ["b"]
+        if preempted_at is not None and any(n.req_id == "b" for n in out.new_reqs):
+            (new,) = [n for n in out.new_reqs if n.req_id == "b"]
+            b = s.requests["b"]
+            assert new.token_ids == b.prompt_token_ids + b.output_token_ids[: len(new.token_ids) - 4]
+            assert len(new.token_ids) > 4 and new.num_prompt_tokens == 4
+            break
+    assert preempted_at is not None
+
+
+def test_last_running_request_preempts_itself():
+    s = make(num_blocks=4, max_num_batched_tokens=64, long_prefill_token_threshold=4)  # 3 usable
+    add(s, "a", 4, ignore_eos=True)
+    add(s, "b", 8, ignore_eos=True)
+    step(s)  # a: 4 tokens, b: 4-token chunk (threshold); 2 blocks used
+    s.running.reverse()  # pretend b was admitted first so that a is the last one
+    out, _ = step(s)  # b's second chunk takes the last block; a's decode then has none left
+    assert "a" in out.finished_req_ids and s.requests["a"].status == RequestStatus.PREEMPTED
+    assert set(out.num_scheduled_tokens) == {"b"}
+
+
+def test_no_admission_in_a_step_that_preempted():
+    s = make(num_blocks=5, long_prefill_token_threshold=4, enable_prefix_caching=False)  # 4 usable
+    add(s, "a", 4, ignore_eos=True)
+    add(s, "c", 11, ignore_eos=True)
+    step(s)  # a: 4 (1 block), c: 4 (1 block)
+    step(s)  # a's decode and c's next chunk take a block each: the pool is full
+    out, _ = step(s)  # c's last chunk needs a block: c preempts itself, freeing 2
+    assert out.finished_req_ids == {"c"} and s.kv_cache_manager.block_pool.get_num_free_blocks() == 2
+    assert not out.new_reqs  # c's 4-token chunk would fit now, but not in this step
+    out, _ = step(s)
+    assert [n.req_id for n in out.new_reqs] == ["c"] and out.num_scheduled_tokens["c"] == 4
+
+
+def test_everything_finishes_and_frees_under_memory_pressure():
+    s = make(num_blocks=6, max_num_batched_tokens=8)
+    for i in range(6):
+        add(s, f"r{i}", 5 + i, ignore_eos=True, max_tokens=10)
+    for _ in range(500):
+        step(s)
+        if not s.has_unfinished_requests():
+            break
+    assert not s.has_unfinished_requests()
+    assert s.stats().num_preemptions > 0
+    assert s.kv_cache_manager.usage == 0.0
+
+
+def test_request_outgrowing_the_pool_stops_with_length():
+    s = make(num_blocks=3, max_model_len=1000)  # 2 blocks of 4: KV for 8 tokens
+    add(s, "a", 5, ignore_eos=True, max_tokens=None)
+    assert run_until_done(s) == {"a": ("length", None, [7] * 4)}  # the 9th token needs no KV
+
+
+# ---- stops ------------------------------------------------------------------------------------
+
+
+def run_until_done(s: Scheduler, token=7, limit: int = 100) -> dict:
+    final = {}
+    tokens: dict[str, list[int]] = {}
+    for _ in range(limit):
+        _, outs = step(s, token)
+        for o in outs:
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                final[o.request_id] = (o.finish_reason, o.stop_reason, tokens[o.request_id])
+        if not s.has_unfinished_requests():
+            return final
+    raise AssertionError("did not finish")
+
+
+def test_eos_stops():
+    s = make()
+    add(s, "a", 4)
+    assert run_until_done(s, token=EOS) == {"a": ("stop", None, [EOS])}
+
+
+def test_ignore_eos_runs_to_max_tokens():
+    s = make()
+    add(s, "a", 4, ignore_eos=True, max_tokens=3)
+    assert run_until_done(s, token=EOS) == {"a": ("length", None, [EOS] * 3)}
+
+
+def test_stop_token_ids():
+    s = make()
+    add(s, "a", 4, stop_token_ids=[5, 9])
+    seq = iter([3, 9, 4])
+    assert run_until_done(s, token=lambda _: next(seq)) == {"a": ("stop", 9, [3, 9])}
+
+
+def test_min_tokens_defers_eos_and_stop_ids():
+    s = make()
+    add(s, "a", 4, min_tokens=3, stop_token_ids=[9])
+    seq = iter([EOS, 9, EOS, 5])
+    assert run_until_done(s, token=lambda _: next(seq)) == {"a": ("stop", None, [EOS, 9, EOS])}
+
+
+def test_min_tokens_does_not_override_length_limits():
+    s = make(max_model_len=6)
+    add(s, "a", 4, min_tokens=5, max_tokens=5)
+    assert run_until_done(s, token=EOS)["a"][0] == "length"
+
+
+def test_max_tokens():
+    s = make()
+    add(s, "a", 4, max_tokens=2)
+    assert run_until_done(s) == {"a": ("length", None, [7, 7])}
+
+
+def test_eos_on_the_last_allowed_token_is_a_stop():
+    s = make()
+    add(s, "a", 4, max_tokens=2)
+    seq = iter([7, EOS])
+    assert run_until_done(s, token=lambda _: next(seq)) == {"a": ("stop", None, [7, EOS])}
+
+
+def test_max_model_len():
+    s = make(max_model_len=7)
+    add(s, "a", 4, max_tokens=None)
+    assert run_until_done(s) == {"a": ("length", None, [7, 7, 7])}
+
+
+def test_finished_request_frees_blocks_and_is_reported_once():
+    s = make()
+    add(s, "a", 4, max_tokens=1)
+    out, outs = step(s)
+    assert outs[0].finished and s.kv_cache_manager.usage == 0.0
+    out, _ = step(s)
+    assert out.finished_req_ids == {"a"} and out.is_empty
+    out, _ = step(s)
+    assert out.finished_req_ids == set()
+
+
+def test_logprobs_are_passed_through():
+    s = make()
+    add(s, "a", 4, logprobs=1)
+    _, outs = step(s, logprobs=True)
+    assert outs[0].new_logprobs == [(-0.5, [(7, -0.5)])]
+
+
+# ---- aborts -----------------------------------------------------------------------------------
+
+
+def test_abort_is_idempotent_and_frees_blocks():
+    s = make()
+    add(s, "a", 6)
+    add(s, "b", 6)
+    add(s, "w", 6)
+    step(s)
+    s.running.remove(s.requests["w"])  # keep "w" waiting for the test
+    s.kv_cache_manager.free(s.requests["w"])
+    s.requests["w"].status = RequestStatus.WAITING
+    s.requests["w"].num_computed_tokens = 0
+    s.waiting.append(s.requests["w"])
+    outs = s.abort_requests(["a", "w", "nope"])
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("a", "abort"), ("w", "abort")]
+    assert s.abort_requests(["a", "w"]) == []
+    assert s.abort_requests("a") == []
+    assert [r.request_id for r in s.running] == ["b"] and not s.waiting
+    assert s.get_num_unfinished_requests() == 1
+    out, _ = step(s)
+    assert out.finished_req_ids == {"a", "w"}
+    assert set(out.num_scheduled_tokens) == {"b"}
+    s.abort_requests(["b"])
+    assert s.stats().kv_cache_usage == 0.0 and not s.has_unfinished_requests()
+
+
+def test_output_for_a_request_aborted_mid_step_is_dropped():
+    s = make()
+    add(s, "a", 4)
+    out = s.schedule()
+    s.abort_requests(["a"])
+    assert s.update_from_output(out, ModelRunnerOutput(["a"], [[7]])) == []
+    assert s.kv_cache_manager.usage == 0.0
+
+
+def test_reset_prefix_cache_and_stats():
+    s = make()
+    add(s, "a", list(range(1, 10)), max_tokens=1)
+    step(s)
+    st = s.stats()
+    assert (st.num_running, st.num_waiting, st.kv_cache_usage) == (0, 0, 0.0)
+    assert s.reset_prefix_cache() is True
+    add(s, "b", list(range(1, 10)))
+    out, _ = step(s)
+    assert out.new_reqs[0].num_computed_tokens == 0
+    assert s.reset_prefix_cache() is False  # b holds blocks
+
+
+def test_out_is_empty_when_idle():
+    s = make()
+    out: SchedulerOutput = s.schedule()
+    assert out.is_empty and not out.new_reqs and not out.cached_reqs

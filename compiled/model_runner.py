@@ -320,7 +320,7 @@ class ModelRunner:
         params = [s.sampling_params for s in states]
         f32 = lambda xs: torch.tensor(xs, dtype=torch.float32, device=dev)  # noqa: E731
         m = SamplingMetadata(
-            temperature=f32([p.temperature for p in params]),
+            temperature=f32([0.0 if p.greedy else p.temperature for p in params]),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
             top_p=f32([p.top_p for p in params]),
             min_p=f32([p.min_p for p in params]),

@@ -7,6 +7,7 @@ engine-core process, and detokenize what comes back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import uuid
@@ -182,11 +183,18 @@ class AsyncLLM(_FrontEnd):
 
     @property
     def dead(self) -> str | None:
+        """Why the engine core is gone, or None while it runs (checked now, not only by the reader)."""
+        with contextlib.suppress(EngineDeadError):
+            self.client.check_alive()
         return self.client.dead
 
     def _ensure_reader(self) -> None:
-        if self._reader is None:
-            self._reader = asyncio.get_running_loop().create_task(self.client.run_reader(self._on_outputs, self._on_dead))
+        # One reader per event loop: a task on a loop that no longer runs would deliver nothing.
+        loop = asyncio.get_running_loop()
+        if self._reader is None or self._reader.done() or self._reader.get_loop() is not loop:
+            if self._reader is not None and not self._reader.done():
+                self._reader.cancel()
+            self._reader = loop.create_task(self.client.run_reader(self._on_outputs, self._on_dead))
 
     def _on_outputs(self, outputs) -> None:
         updates, to_abort = self.output_processor.process_outputs(outputs)

@@ -96,6 +96,9 @@ class Processor:
         if room < 1:
             raise InvalidRequestError(f"prompt has {len(prompt_ids)} tokens; the model's context is "
                                       f"{self.max_model_len} tokens, leaving none to generate", "prompt")
+        if params.min_tokens > room:
+            raise InvalidRequestError(f"min_tokens={params.min_tokens} plus the prompt's {len(prompt_ids)} tokens "
+                                      f"exceeds the model's context of {self.max_model_len} tokens", "min_tokens")
         if params.max_tokens is None:
             return msgspec.structs.replace(params, max_tokens=room)
         if params.max_tokens > room:

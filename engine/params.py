@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import msgspec
 
+_INT32 = 2**31
+# Temperatures below this sample greedily: dividing logits by less overflows to inf/NaN.
+_SAMPLING_EPS = 1e-5
+
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """How to pick tokens and when to stop. Field names and defaults follow vLLM's.
@@ -52,8 +56,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 "must not exceed max_tokens",
             ),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (self.seed is None or -(2**63) <= self.seed < 2**63, "seed", "must fit in 64 bits"),
+            (self.top_k < _INT32, "top_k", f"must be below {_INT32}"),
+            (self.min_tokens < _INT32, "min_tokens", f"must be below {_INT32}"),
+            (self.max_tokens is None or self.max_tokens < _INT32, "max_tokens", f"must be below {_INT32}"),
             (all(s for s in self.stop), "stop", "must not contain empty strings"),
-            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative"),
+            (all(0 <= t < _INT32 for t in self.stop_token_ids), "stop_token_ids", f"must be in [0, {_INT32})"),
         ]
         for ok, field, message in checks:
             if not ok:
@@ -61,7 +69,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < _SAMPLING_EPS
 
     @property
     def has_penalties(self) -> bool:

@@ -59,6 +59,34 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from server.api import serve
+
+    return serve(args.model_path or args.model, host=args.host, port=args.port, api_key=args.api_key,
+                 engine_args={**engine_args(args), "served_model_name": args.served_model_name},
+                 max_body_bytes=args.max_request_body_bytes, log_level=args.uvicorn_log_level)
+
+
+def add_serve_parser(sub) -> None:
+    import os
+
+    from server.api import DEFAULT_MAX_BODY_BYTES
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                       help="HF directory or .gguf file (default: the embedded SmolLM2)")
+    serve.add_argument("--model", default=None, help="same as MODEL")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL's)")
+    serve.add_argument("--api-key", default=os.environ.get("KILN_API_KEY") or None,
+                       help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KILN_API_KEY)")
+    serve.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    serve.add_argument("--uvicorn-log-level", default="info")
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kiln", description="kiln: a compile-first LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -72,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    add_serve_parser(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s", datefmt="%H:%M:%S")

@@ -59,3 +59,40 @@ def smollm2_hf(smollm2_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory, smollm2_dir):
+    """A random-weight 2-layer Llama with SmolLM2's tokenizer and chat template: fast, real text path."""
+    import shutil
+    from pathlib import Path
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_chat")
+    cfg = dict(TINY, vocab_size=49152, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    LlamaForCausalLM(LlamaConfig(**cfg)).save_pretrained(path)
+    for f in Path(smollm2_dir).iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(f, path / f.name)
+    return str(path)
+
+
+def engine_core_children() -> list[int]:
+    """Engine-core processes whose parent is this test process."""
+    import os
+    from pathlib import Path
+
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if "engine.core" in cmd and ppid == os.getpid():
+            found.append(int(proc.name))
+    return found

@@ -1,0 +1,429 @@
+"""The OpenAI-compatible server, live: `python -m server` in a subprocess with the default model,
+driven over HTTP by the official `openai` client, httpx and Hypothesis.
+
+One server for the whole module, in eager mode: a first compiled warm-up costs ~45 s on 2 cores and the
+engine tests cover the compiled path (KILN_TEST_SERVER_COMPILED=1 runs this module against it too).
+The client side does no heavy torch work while the server computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.test_server_app import ROUTES, assert_error, check_response
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+BODY_LIMIT = 1 << 20
+SERVER_ARGS = ["--dtype", "float32", "--max-num-seqs", "16", "--kv-cache-memory", str(256 << 20),
+               "--max-model-len", "2048", "--api-key", KEY, "--max-request-body-bytes", str(BODY_LIMIT)]
+if os.environ.get("KILN_TEST_SERVER_COMPILED") != "1":
+    SERVER_ARGS.append("--enforce-eager")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class LiveServer:
+    def __init__(self, url: str, log: Path, proc: subprocess.Popen) -> None:
+        self.url, self.log, self.proc = url, log, proc
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    env = {k: v for k, v in os.environ.items() if k != "KILN_API_KEY"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "server", "--port", str(port), *SERVER_ARGS], cwd=ROOT,
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    live = LiveServer(f"http://127.0.0.1:{port}", log, proc)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{live.log_text()[-3000:]}")
+            try:
+                if httpx.get(live.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not ready after 300 s:\n{live.log_text()[-3000:]}")
+            time.sleep(0.5)
+        yield live
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert "Traceback" not in live.log_text(), live.log_text()[-5000:]
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def engine_gauges(http: httpx.Client) -> dict[str, float]:
+    text = http.get("/metrics").text
+    found = re.findall(r"^kiln:(num_requests_running|num_requests_waiting|kv_cache_usage_perc)\{[^}]*\} (\S+)$", text, re.M)
+    return {name: float(value) for name, value in found}
+
+
+def wait_idle(http: httpx.Client, timeout: float = 10.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        gauges = engine_gauges(http)
+        if (len(gauges) == 3 and not any(gauges.values())) or time.monotonic() > deadline:
+            return gauges
+        time.sleep(0.2)
+
+
+# ---- the openai client ---------------------------------------------------------------------------
+
+def test_health_version_models(server, http, client):
+    assert httpx.get(server.url + "/health").status_code == 200  # no key needed
+    assert http.get("/version").json()["version"]
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_completions_stream_equals_non_stream(client):
+    kw = dict(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0)
+    full = client.completions.create(**kw)
+    assert full.object == "text_completion" and full.choices[0].finish_reason in ("stop", "length")
+    assert full.usage.prompt_tokens == 5 and full.usage.total_tokens == 5 + full.usage.completion_tokens
+    chunks = list(client.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks][-1] == full.choices[0].finish_reason
+    assert all(c.usage is None for c in chunks)  # usage only when asked for
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_n_stop_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, n=2, temperature=0.8, seed=7)
+    assert sorted(c.index for c in r.choices) == [0, 1] and r.usage.completion_tokens <= 16
+    again = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, n=2, temperature=0.8, seed=7)
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]  # seeded
+
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0,
+                                  stop=["."])
+    assert r.choices[0].finish_reason == "stop" and "." not in r.choices[0].text and "Paris" in r.choices[0].text
+    streamed = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0,
+                                         stop=["."], stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
+
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+                                  logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens == 6
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert all(v <= 0 for v in lp.token_logprobs) and lp.text_offset == sorted(lp.text_offset)
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert token in top and 2 <= len(top) <= 3
+        assert logprob == pytest.approx(max(top.values()), abs=1e-5)  # greedy picks the most likely
+
+
+def test_chat_stream_equals_non_stream(client):
+    kw = dict(model=MODEL, messages=[{"role": "system", "content": "You are terse."},
+                                     {"role": "user", "content": "Name a color."}], max_tokens=12, temperature=0)
+    full = client.chat.completions.create(**kw)
+    msg = full.choices[0].message
+    assert full.object == "chat.completion" and msg.role == "assistant" and msg.content
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    body = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in body) == msg.content
+    assert [c.choices[0].finish_reason for c in body][-1] == full.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in body[:-1])
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_chat_n_logprobs_parts_and_max_completion_tokens(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": [{"type": "text", "text": "Say something."}]}],
+        max_completion_tokens=5, n=2, temperature=1.0, seed=3, logprobs=True, top_logprobs=2)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    for c in r.choices:
+        content = c.logprobs.content
+        assert 1 <= len(content) <= 5
+        assert all(len(t.top_logprobs) == 2 and t.bytes is not None for t in content)
+    assert r.usage.completion_tokens <= 10
+
+
+def test_greedy_is_token_exact_with_transformers(http):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from compiled.loader import resolve_model
+
+    prompt, n = "The quick brown fox", 24
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0,
+                                           "ignore_eos": True, "return_token_ids": True}).json()
+    choice = r["choices"][0]
+    assert len(choice["token_ids"]) == n and choice["finish_reason"] == "length"
+
+    torch.set_num_threads(1)  # the server is idle now, but stays polite
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(None), dtype=torch.float32).eval()
+    config = model.generation_config
+    config.eos_token_id, config.pad_token_id = None, 0
+    ids = torch.tensor([choice["prompt_token_ids"]])
+    with torch.no_grad():
+        out = model.generate(ids, generation_config=config, max_new_tokens=n, do_sample=False)
+    assert out[0, ids.shape[1]:].tolist() == choice["token_ids"]
+
+
+# ---- load and disconnects ------------------------------------------------------------------------
+
+def test_64_concurrent_streams(server, http, client):
+    import openai
+
+    prompts = ["Hello, my name is", "The best way to learn is", "def fibonacci(n):", "In 1969, the first"]
+    expected = [client.completions.create(model=MODEL, prompt=p, max_tokens=10, temperature=0,
+                                          extra_body={"ignore_eos": True}) for p in prompts]
+
+    async def one(aclient, i: int):
+        stream = await aclient.completions.create(model=MODEL, prompt=prompts[i % 4], max_tokens=10, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True},
+                                                  extra_body={"ignore_eos": True})
+        chunks = [c async for c in stream]
+        return i, chunks
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120) as aclient:
+            return await asyncio.gather(*(one(aclient, i) for i in range(64)))
+
+    for i, chunks in asyncio.run(run()):
+        ref = expected[i % 4]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.choices[0].text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].usage.completion_tokens == 10
+    assert wait_idle(http) == {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0}
+
+
+def test_dropped_clients_free_their_kv_blocks(server, http):
+    body = {"model": MODEL, "prompt": "Write a very long story about a dragon.", "max_tokens": 1500,
+            "ignore_eos": True}
+    before = server.log_text().count("finish_reason=abort")
+
+    async def drop_stream(c: httpx.AsyncClient, path: str, payload: dict):
+        async with c.stream("POST", path, json={**payload, "stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    return  # hang up after the first chunk
+
+    async def time_out(c: httpx.AsyncClient):
+        with pytest.raises(httpx.TimeoutException):
+            await c.post("/v1/completions", json=body, timeout=1.5)
+
+    async def run():
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60, limits=limits) as c:
+            chat = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me everything."}], "max_tokens": 1500}
+            await asyncio.gather(*(drop_stream(c, "/v1/completions", body) for _ in range(40)),
+                                 *(drop_stream(c, "/v1/chat/completions", chat) for _ in range(10)))
+            await asyncio.gather(*(time_out(c) for _ in range(50)))
+
+    start = time.monotonic()
+    asyncio.run(run())
+    assert time.monotonic() - start < 60
+    assert wait_idle(http) == {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0}
+    deadline = time.monotonic() + 5
+    while server.log_text().count("finish_reason=abort") - before < 100 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert server.log_text().count("finish_reason=abort") - before == 100
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert "ERROR" not in server.log_text(), server.log_text()[-3000:]
+
+
+def test_metrics_and_access_log(server, http):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 4,
+                                           "ignore_eos": True}).json()
+    text = http.get("/metrics").text
+    for name in ("kiln:request_success_total", "kiln:prompt_tokens_total", "kiln:generation_tokens_total",
+                 "kiln:num_requests_running", "kiln:num_requests_waiting", "kiln:kv_cache_usage_perc",
+                 "kiln:prefix_cache_queries_total", "kiln:prefix_cache_hits_total", "kiln:num_preemptions_total",
+                 "kiln:time_to_first_token_seconds_bucket", "kiln:inter_token_latency_seconds_bucket",
+                 "kiln:e2e_request_latency_seconds_bucket", "kiln:request_queue_time_seconds_bucket"):
+        assert re.search(rf"^{re.escape(name)}\{{", text, re.M), name
+    generated = float(re.search(r"^kiln:generation_tokens_total\{[^}]*\} (\S+)$", text, re.M).group(1))
+    assert generated >= 4
+    assert float(re.search(r'^kiln:prefix_cache_queries_total\{[^}]*\} (\S+)$', text, re.M).group(1)) > 0
+    line = next(li for li in server.log_text().splitlines() if r["id"] in li)
+    assert re.search(r"prompt_tokens=\d+ generation_tokens=4 ttft=[\d.]+s total=[\d.]+s finish_reason=length", line)
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+
+USER = [{"role": "user", "content": "hi"}]
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+BAD = [
+    # (path, body: dict or raw bytes, status, param)
+    (C, b'{"prompt": "hi", ', 400, None),
+    (C, b"", 400, None),
+    (C, b"[1, 2]", 400, None),
+    (C, b'{"prompt": "\xff\xfe"}', 400, None),
+    (C, b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None),
+    (C, {}, 400, "prompt"),
+    (C, {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    (C, {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    (C, {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    (C, {"prompt": "hi", "stop": 5}, 400, "stop"),
+    (C, {"prompt": "hi", "stream_options": {"include_usage": "yes"}}, 400, "stream_options.include_usage"),
+    (C, {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    (C, {"prompt": ""}, 400, "prompt"),
+    (C, {"prompt": []}, 400, "prompt"),
+    (C, {"prompt": [[1, 2], "x"]}, 400, "prompt"),
+    (C, {"prompt": [1, 2, 10**6]}, 400, "prompt"),
+    (C, {"prompt": [True, False]}, 400, "prompt"),
+    (C, {"prompt": "hello " * 2100}, 400, "prompt"),
+    (C, {"prompt": "hello " * 30, "max_tokens": 2040}, 400, "max_tokens"),
+    (C, {"prompt": "hi", "n": 0}, 400, "n"),
+    (C, {"prompt": "hi", "n": 1000}, 400, "n"),
+    (C, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    (C, {"prompt": "hi", "max_tokens": 10**30}, 400, "max_tokens"),
+    (C, {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    (C, {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    (C, {"prompt": "hi", "top_k": -5}, 400, "top_k"),
+    (C, {"prompt": "hi", "presence_penalty": 5}, 400, "presence_penalty"),
+    (C, {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    (C, {"prompt": "hi", "logprobs": -1}, 400, "logprobs"),
+    (C, {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    (C, {"prompt": "hi", "seed": 2**70}, 400, "seed"),
+    (C, {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    (C, {"prompt": "hi", "min_tokens": 8, "max_tokens": 4}, 400, "min_tokens"),
+    (C, {"prompt": "x" * (BODY_LIMIT + 10)}, 413, None),
+    (CHAT, {}, 400, "messages"),
+    (CHAT, {"messages": []}, 400, "messages"),
+    (CHAT, {"messages": "hi"}, 400, "messages"),
+    (CHAT, {"messages": [{"content": "hi"}]}, 400, "messages[0].role"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+    (CHAT, {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "messages[0].content"),
+    (CHAT, {"messages": USER, "model": "nope"}, 404, "model"),
+    (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
+    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
+    (CHAT, {"messages": USER, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    (CHAT, {"messages": USER, "n": "two"}, 400, "n"),
+    (CHAT, {"messages": USER, "min_tokens": 5000}, 400, "min_tokens"),
+    (CHAT, {"messages": USER, "chat_template_kwargs": {"tokenize": True}}, 400, "chat_template_kwargs"),
+    ("/tokenize", {}, 400, "prompt"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+]
+
+
+def test_bad_input_is_a_clear_4xx(server, http):
+    for path, body, status, param in BAD:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = http.post(path, content=content, headers={"Content-Type": "application/json"})
+        err = assert_error(r, status, param)
+        if param is not None:
+            assert param.split("[")[0].split(".")[0] in err["message"], (path, body if len(content) < 200 else "...", err)
+        assert "Traceback" not in err["message"]
+    assert_error(http.get("/v1/nope"), 404)
+    assert_error(http.get("/v1/completions"), 405)
+    # The API key: /v1 needs it, the health check does not.
+    assert_error(httpx.get(server.url + "/v1/models"), 401)
+    assert_error(httpx.post(server.url + C, json={"prompt": "hi"}, headers={"Authorization": "Bearer wrong"}), 401)
+    assert httpx.get(server.url + "/health").status_code == 200
+    r = http.post(C, json={"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def _cheap(body):
+    """Keep a random body's generation short: what would run long is cut to 2 tokens, invalid values stay."""
+    if not isinstance(body, dict):
+        return body
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = body.get(key)
+        if (key == "max_tokens" and v is None) or (type(v) is int and 4 < v <= 4096):
+            body[key] = 2
+    if type(body.get("n")) is int and 2 < body["n"] <= 128:
+        body["n"] = 2
+    if isinstance(body.get("prompt"), list) and len(body["prompt"]) > 2 and all(isinstance(p, list | str) for p in body["prompt"]):
+        body["prompt"] = body["prompt"][:2]
+    return body
+
+
+@settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(route=st.sampled_from(sorted(ROUTES)), data=st.data())
+def test_random_bodies_never_500(http, route, data):
+    body = _cheap(data.draw(ROUTES[route]))
+    if isinstance(body, dict) and body.get("model") == "fake-model":
+        body["model"] = MODEL
+    check_response(http.post(route, content=msgspec.json.encode(body)))
+
+
+def test_still_serving_after_everything(server, http, client):
+    r = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=4, temperature=0)
+    assert r.choices[0].text and r.usage.completion_tokens == 4
+    assert wait_idle(http) == {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0}
+    assert "ERROR" not in server.log_text() and "Traceback" not in server.log_text(), server.log_text()[-3000:]
+
+
+def _engine_core_of(proc: subprocess.Popen) -> int:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes()
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if b"engine.core" in cmd and ppid == proc.pid:
+                return int(entry.name)
+    raise AssertionError("no engine core process under the server")
+
+
+def test_engine_death_is_503_not_a_hang(server, http):
+    """Last in the module: it kills the server's engine core."""
+    os.kill(_engine_core_of(server.proc), signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while (r := httpx.get(server.url + "/health", timeout=15)).status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "engine core" in assert_error(r, 503)["message"]
+    err = assert_error(http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}), 503)
+    assert err["type"] == "server_error"
+    assert http.get("/metrics").status_code == 200

@@ -1,0 +1,414 @@
+"""The HTTP layer alone: build_app over a fake engine (no model, no engine process), driven in-process.
+
+Covers what needs a second app configuration or an engine state a live server cannot cheaply reach:
+API keys, the body-size limit, a dead engine, disconnect handling at the ASGI level, and many
+random request bodies. tests/test_server.py drives the real engine over HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from starlette.testclient import TestClient
+
+from engine.client import EngineDeadError
+from engine.output_processor import CompletionOutput, Processor, RequestMetrics, RequestOutput
+from server.api import build_app
+
+MODEL = "fake-model"
+EOS = 256
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte, plus an EOS; enough of a Hugging Face tokenizer for the server."""
+
+    chat_template = "role: content"
+    eos_token_id = EOS
+    all_special_ids = (EOS,)
+
+    def __len__(self) -> int:
+        return 257
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")
+
+    def convert_ids_to_tokens(self, token_id: int) -> str:
+        return "<eos>" if token_id == EOS else f"<0x{token_id:02X}>"
+
+    def apply_chat_template(self, conversation, add_generation_prompt=True, tokenize=False, **kwargs) -> str:
+        if set(kwargs) - {"continue_final_message", "style"}:
+            raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in conversation)
+        return text + ("assistant: " if add_generation_prompt else "")
+
+
+class FakeLLM:
+    """AsyncLLM's surface: validates like it, then 'generates' the alphabet, one letter per step."""
+
+    def __init__(self, max_model_len: int = 64, step_s: float = 0.0) -> None:
+        self.tokenizer = ByteTokenizer()
+        self.max_model_len = max_model_len
+        self.model_name = MODEL
+        self.processor = Processor(self.tokenizer, max_model_len, [EOS])
+        self.dead: str | None = None
+        self.step_s = step_s
+        self.running: set[str] = set()
+        self.aborted: list[str] = []
+
+    def chat_prompt(self, conversation, add_generation_prompt=True, chat_template_kwargs=None) -> list[int]:
+        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt, tokenize=False,
+                                                  **(chat_template_kwargs or {}))
+        return self.tokenizer.encode(text)
+
+    async def get_stats(self) -> dict:
+        return dict(num_running=len(self.running), num_waiting=0, kv_cache_usage=0.5 if self.running else 0.0,
+                    prefix_cache_queries=10, prefix_cache_hits=4, num_preemptions=0)
+
+    async def generate(self, prompt, params, request_id=None):
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        ids = self.processor.tokenize(prompt)
+        params = self.processor.validate(ids, params)
+        rid = request_id or "req"
+        outs = [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
+        metrics = RequestMetrics(time.time(), scheduled_time=time.time())
+        self.running.add(rid)
+        finished = False
+        try:
+            for step in range(params.max_tokens):
+                await asyncio.sleep(self.step_s)
+                token = ord("a") + step % 26
+                last = step == params.max_tokens - 1
+                snapshot = []
+                for o in outs:
+                    o.token_ids.append(token)
+                    o.text += chr(token)
+                    lp = (-0.5, [(token, -0.5), (ord("z"), -1.5)][: params.logprobs or 0])
+                    if o.logprobs is not None:
+                        o.logprobs.append(lp)
+                    if last:
+                        o.finish_reason = "length"
+                    snapshot.append(CompletionOutput(o.index, o.text, list(o.token_ids), o.logprobs and list(o.logprobs),
+                                                     o.finish_reason, None, chr(token), [token],
+                                                     [lp] if o.logprobs is not None else []))
+                if metrics.first_token_time is None:
+                    metrics.first_token_time = time.time()
+                finished = last
+                yield RequestOutput(rid, None, ids, snapshot, last, metrics)
+        finally:
+            self.running.discard(rid)
+            if not finished:
+                self.aborted.append(rid)
+
+
+@pytest.fixture
+def fake():
+    return FakeLLM()
+
+
+@pytest.fixture
+def client(fake):
+    with TestClient(build_app(fake), raise_server_exceptions=False) as c:
+        yield c
+
+
+def assert_error(r, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and isinstance(err["message"], str)
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+def sse(text: str) -> list[dict]:
+    events = [line.removeprefix("data: ") for line in text.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_api_key_guards_v1_routes_only(fake):
+    with TestClient(build_app(fake, api_key="sekret")) as c:
+        for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]:
+            assert_error(c.request(method, path, json={"prompt": "hi"}), 401)
+            err = assert_error(c.request(method, path, json={"prompt": "hi"}, headers={"Authorization": "Bearer nope"}), 401)
+            assert err["code"] == "invalid_api_key"
+        assert_error(c.get("/v1/models", headers={"Authorization": "sekret"}), 401)
+        assert c.get("/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers={"Authorization": "Bearer sekret"})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ab"
+        for path in ("/health", "/metrics", "/version"):
+            assert c.get(path).status_code == 200
+
+
+def test_body_over_the_limit_is_413_and_the_server_keeps_serving(fake):
+    with TestClient(build_app(fake, max_body_bytes=1024)) as c:
+        big = {"prompt": "x" * 2000}
+        assert assert_error(c.post("/v1/completions", json=big), 413)["code"] == "request_too_large"
+
+        def chunks():  # no Content-Length: the limit holds while reading
+            for _ in range(4):
+                yield b" " * 400
+
+        assert_error(c.post("/v1/completions", content=chunks()), 413)
+        assert_error(c.post("/tokenize", json=big), 413)
+        assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
+def test_dead_engine_is_503(client, fake):
+    assert client.get("/health").status_code == 200
+    fake.dead = "engine core process exited unexpectedly"
+    assert "exited unexpectedly" in assert_error(client.get("/health"), 503)["message"]
+    err = assert_error(client.post("/v1/completions", json={"prompt": "hi"}), 503)
+    assert err["type"] == "server_error"
+    assert client.get("/metrics").status_code == 200
+
+
+def test_unknown_routes_and_methods_in_openai_shape(client):
+    assert_error(client.get("/v1/nope"), 404)
+    assert_error(client.get("/v1/completions"), 405)
+
+
+def test_batch_prompts_and_n_index_choices(client):
+    body = {"prompt": ["hi", "there"], "n": 2, "max_tokens": 3, "return_token_ids": True}
+    r = client.post("/v1/completions", json=body).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+    assert r["choices"][2]["prompt_token_ids"] == list(b"there") and r["choices"][0]["token_ids"] == [97, 98, 99]
+    assert r["usage"] == {"prompt_tokens": 7, "completion_tokens": 12, "total_tokens": 19}
+    chunks = sse(client.post("/v1/completions", json={**body, "stream": True}).text)
+    text: dict[int, str] = {}
+    for ch in chunks:
+        for c in ch["choices"]:
+            text[c["index"]] = text.get(c["index"], "") + c["text"]
+    assert text == {i: "abc" for i in range(4)}
+    assert all("usage" not in ch for ch in chunks)
+
+
+def test_token_id_prompts_echo_and_logprobs(client):
+    r = client.post("/v1/completions", json={"prompt": [[104, 105], [111]], "max_tokens": 2, "echo": True}).json()
+    assert [c["text"] for c in r["choices"]] == ["hiab", "oab"]
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "logprobs": 1}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["a", "b", "c"] and lp["token_logprobs"] == [-0.5] * 3 and lp["text_offset"] == [0, 1, 2]
+    assert lp["top_logprobs"][0] == {"a": -0.5}
+    chunks = sse(client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "logprobs": 1, "stream": True}).text)
+    assert [ch["choices"][0]["logprobs"]["text_offset"] for ch in chunks] == [[0], [1], [2]]
+    chunks = sse(client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": True, "echo": True}).text)
+    assert [ch["choices"][0]["text"] for ch in chunks] == ["hia", "b", "c"]
+    assert_error(client.post("/v1/completions", json={"prompt": "hi", "echo": True, "logprobs": 1}), 400, "echo")
+
+
+def test_chat_stream_role_first_finish_last_usage_only_when_asked(client):
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 3, "n": 2,
+            "stream": True, "logprobs": True, "top_logprobs": 1}
+    chunks = sse(client.post("/v1/chat/completions", json=body).text)
+    assert [c["delta"] for c in chunks[0]["choices"]] == [{"role": "assistant", "content": ""}] * 2
+    for i in range(2):
+        mine = [c for ch in chunks for c in ch["choices"] if c["index"] == i]
+        assert "".join(c["delta"].get("content") or "" for c in mine) == "abc"
+        assert [c["finish_reason"] for c in mine] == [None] * (len(mine) - 1) + ["length"]
+        assert mine[1]["logprobs"]["content"][0]["top_logprobs"][0]["token"] == "a"
+    assert all("usage" not in ch for ch in chunks)
+    chunks = sse(client.post("/v1/chat/completions", json={**body, "stream_options": {"include_usage": True}}).text)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert all("usage" not in ch for ch in chunks[:-1])
+
+
+def test_tokenize_detokenize_models_version_metrics(client):
+    assert client.post("/tokenize", json={"prompt": "hi"}).json() == {"count": 2, "max_model_len": 64, "tokens": [104, 105]}
+    r = client.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}]}).json()
+    assert r["tokens"] == list(b"user: x\nassistant: ")
+    assert client.post("/detokenize", json={"tokens": [104, 105]}).json() == {"prompt": "hi"}
+    assert client.get("/v1/models").json()["data"][0]["id"] == MODEL
+    assert client.get("/version").json()["version"]
+    client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    text = client.get("/metrics").text
+    for name in ("kiln:request_success_total", "kiln:prompt_tokens_total", "kiln:generation_tokens_total",
+                 "kiln:num_requests_running", "kiln:num_requests_waiting", "kiln:kv_cache_usage_perc",
+                 "kiln:prefix_cache_queries_total", "kiln:prefix_cache_hits_total", "kiln:num_preemptions_total",
+                 "kiln:time_to_first_token_seconds_bucket", "kiln:inter_token_latency_seconds_bucket",
+                 "kiln:e2e_request_latency_seconds_bucket", "kiln:request_queue_time_seconds_bucket"):
+        assert name in text, name
+    assert 'kiln:generation_tokens_total{model_name="fake-model"} 2.0' in text
+    assert 'kiln:prefix_cache_hits_total{model_name="fake-model"} 4.0' in text
+
+
+def _drive_until_disconnect(app, body: dict, disconnect_after_s: float) -> list[dict]:
+    """Run one request through the ASGI app with a client that hangs up after `disconnect_after_s`."""
+    sent: list[dict] = []
+
+    async def go():
+        delivered = False
+
+        async def receive():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+            await asyncio.sleep(disconnect_after_s)
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "headers": [(b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
+        await asyncio.wait_for(app(scope, receive, send), timeout=10)
+
+    asyncio.run(go())
+    return sent
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_disconnect_aborts_the_generation(stream, caplog):
+    fake = FakeLLM(step_s=0.01)
+    app = build_app(fake)
+    with caplog.at_level(logging.INFO, logger="kiln.server"):
+        _drive_until_disconnect(app, {"prompt": "hi", "max_tokens": 60, "n": 2, "stream": stream}, 0.1)
+        assert fake.aborted and not fake.running
+        # A batch of prompts runs as several engine requests: every one of them goes.
+        fake.aborted.clear()
+        _drive_until_disconnect(app, {"prompt": ["a", "b", "c"], "max_tokens": 60, "stream": stream}, 0.1)
+        assert len(fake.aborted) == 3 and not fake.running
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert sum("finish_reason=abort" in r.getMessage() for r in caplog.records) == 4
+
+
+# ---- random bodies (tests/test_server.py sends these to the live server too) -------------------------
+
+json_scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False)
+                | st.text(max_size=12))
+json_values = st.recursive(json_scalars, lambda kids: st.lists(kids, max_size=3)
+                           | st.dictionaries(st.text(max_size=6), kids, max_size=3), max_leaves=8)
+small_int = st.integers(-3, 4) | st.sampled_from([0, 21, 10**6, 2**64])
+
+
+def _messages(roles, content):
+    return st.lists(st.fixed_dictionaries({"role": roles}, optional={"content": content}), max_size=3)
+
+
+# Anything goes: mostly wrong types and out-of-range values.
+wild_messages = _messages(st.sampled_from(["user", "system", "assistant", "developer", "tool", "x"]) | json_values,
+                          st.text(max_size=20) | json_values | st.lists(st.fixed_dictionaries(
+                              {"type": st.sampled_from(["text", "image_url"]), "text": st.text(max_size=8)}),
+                              max_size=2)) | json_values
+WILD = {
+    "model": st.sampled_from([MODEL, "other"]) | json_values, "n": small_int | json_values,
+    "temperature": st.floats(-1, 3) | json_values, "top_p": st.floats(-0.5, 1.5) | json_values,
+    "top_k": small_int | json_values, "min_p": st.floats(-1, 2) | json_values, "seed": small_int | json_values,
+    "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=3) | json_values,
+    "stop_token_ids": st.lists(small_int, max_size=3) | json_values, "stream": st.booleans() | json_values,
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | json_values}) | json_values,
+    "presence_penalty": st.floats(-3, 3) | json_values, "repetition_penalty": st.floats(-1, 3) | json_values,
+    "min_tokens": small_int | json_values, "ignore_eos": st.booleans() | json_values,
+    "skip_special_tokens": st.booleans() | json_values, "max_tokens": small_int | json_values,
+    "user": st.text(max_size=5) | json_values, "return_token_ids": st.booleans() | json_values,
+    "unknown_field": json_values,
+}
+WILD_COMPLETION = {
+    **WILD, "echo": st.booleans() | json_values, "logprobs": small_int | json_values,
+    "prompt": st.text(max_size=20) | st.lists(st.integers(-2, 300), max_size=5)
+    | st.lists(st.lists(st.integers(-2, 300), max_size=3), max_size=3) | st.lists(st.text(max_size=5), max_size=3)
+    | json_values}
+WILD_CHAT = {
+    **WILD, "messages": wild_messages, "logprobs": st.booleans() | json_values, "top_logprobs": small_int | json_values,
+    "max_completion_tokens": small_int | json_values, "add_generation_prompt": st.booleans() | json_values,
+    "chat_template_kwargs": st.dictionaries(st.sampled_from(["style", "tokenize", "x"]), json_values, max_size=2)
+    | json_values}
+
+# Plausible: right types and mostly in range, so that many requests get as far as generating.
+SANE = {
+    "model": st.just(MODEL), "n": st.integers(1, 2), "temperature": st.floats(0, 2), "top_p": st.floats(0.05, 1),
+    "top_k": st.integers(-1, 50), "min_p": st.floats(0, 0.5), "seed": st.integers(-(2**40), 2**40),
+    "stop": st.text(min_size=1, max_size=3) | st.lists(st.text(max_size=3), max_size=2),
+    "stop_token_ids": st.lists(st.integers(0, 300), max_size=2), "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.5, 2), "min_tokens": st.integers(0, 3), "ignore_eos": st.booleans(),
+    "skip_special_tokens": st.booleans(), "max_tokens": st.integers(1, 4), "return_token_ids": st.booleans(),
+}
+SANE_COMPLETION = {**SANE, "echo": st.booleans(), "logprobs": st.integers(0, 3)}
+SANE_CHAT = {**SANE, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 3),
+             "max_completion_tokens": st.integers(1, 4), "add_generation_prompt": st.booleans()}
+
+
+def _body(required: dict, sane: dict, wild: dict):
+    """A plausible body, or one with a field gone wild, or a wild one throughout."""
+    plausible = st.fixed_dictionaries(required, optional=sane)
+    keys = sorted(wild)
+    one_wild = st.tuples(plausible, st.sampled_from(keys).flatmap(lambda k: st.tuples(st.just(k), wild[k])))
+    return (plausible | one_wild.map(lambda pair: {**pair[0], pair[1][0]: pair[1][1]})
+            | st.fixed_dictionaries({}, optional=wild))
+
+
+ROUTES = {
+    "/v1/completions": _body({"prompt": st.text(max_size=20) | st.lists(st.integers(0, 300), min_size=1, max_size=5)
+                              | st.lists(st.text(min_size=1, max_size=5), min_size=1, max_size=2)},
+                             SANE_COMPLETION, WILD_COMPLETION),
+    "/v1/chat/completions": _body({"messages": _messages(st.sampled_from(["user", "system", "assistant"]),
+                                                         st.text(max_size=20)).filter(bool)}, SANE_CHAT, WILD_CHAT),
+    "/tokenize": st.fixed_dictionaries({}, optional={"prompt": st.text(max_size=10) | json_values,
+                                                     "messages": wild_messages, "add_special_tokens": json_values}),
+    "/detokenize": st.fixed_dictionaries({}, optional={"tokens": st.lists(small_int) | json_values}),
+}
+
+
+def check_response(r) -> None:
+    """Any body gets a 200 or a well-formed 4xx; never a 5xx."""
+    assert r.status_code < 500, r.text
+    event(f"status {r.status_code}")
+    if r.status_code != 200:
+        assert_error(r, r.status_code)
+        return
+    if r.headers["content-type"].startswith("text/event-stream"):
+        for chunk in sse(r.text):
+            assert "error" not in chunk, chunk
+    else:
+        msgspec.json.decode(r.content)
+
+
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(route=st.sampled_from(sorted(ROUTES)), data=st.data())
+def test_random_bodies_never_500(route, data):
+    body = data.draw(ROUTES[route])
+    with TestClient(build_app(FakeLLM()), raise_server_exceptions=False) as c:
+        check_response(c.post(route, content=msgspec.json.encode(body)))
+        assert c.post("/v1/completions", json={"prompt": "ok", "max_tokens": 1}).status_code == 200
+
+
+# ---- the command line: what fails fails before a model loads ------------------------------------
+
+def _serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "server", *args], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[1])
+
+
+def test_serve_rejects_tensor_parallelism_clearly():
+    r = _serve("--tensor-parallel-size", "2")
+    assert r.returncode == 2 and "tensor_parallel_size must be 1" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_serve_fails_fast_on_a_taken_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        start = time.monotonic()
+        r = _serve("--port", str(s.getsockname()[1]))
+    assert r.returncode == 1 and "cannot listen on 127.0.0.1" in r.stderr and "Traceback" not in r.stderr
+    assert time.monotonic() - start < 30  # no model was loaded first

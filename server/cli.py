@@ -87,6 +87,47 @@ def add_serve_parser(sub) -> None:
     serve.set_defaults(func=cmd_serve)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    import json
+
+    if args.bench == "scheduler":
+        from engine.bench_scheduler import run
+
+        result = run(num_requests=args.num_requests, steps=args.steps)
+        print(json.dumps(result, indent=2))
+    elif args.bench == "runner":
+        from compiled import bench
+
+        batches = tuple(int(b) for b in args.batches.split(","))
+        result = bench.run(args.model, args.dtype, batches, args.context, args.steps, args.prefill_len,
+                           compare=not args.no_compare, num_threads=args.num_threads)
+        print(bench.format_report(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (numbers to record in BENCHMARKS.md)")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    sched = kinds.add_parser("scheduler", help="schedule + update cost per step with a fake runner")
+    sched.add_argument("--num-requests", type=int, default=256)
+    sched.add_argument("--steps", type=int, default=200)
+    runner = kinds.add_parser("runner", help="model runner decode/prefill: compiled vs eager vs transformers")
+    runner.add_argument("--model", default=None)
+    runner.add_argument("--dtype", default="float32")
+    runner.add_argument("--batches", default="1,8,32,64")
+    runner.add_argument("--context", type=int, default=512)
+    runner.add_argument("--steps", type=int, default=8)
+    runner.add_argument("--prefill-len", type=int, default=512)
+    runner.add_argument("--num-threads", type=int, default=None)
+    runner.add_argument("--no-compare", action="store_true", help="skip transformers")
+    for p in (sched, runner):
+        p.add_argument("--json", default=None, help="also write the results to this file")
+    bench.set_defaults(func=cmd_bench)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kiln", description="kiln: a compile-first LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -102,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=cmd_generate)
 
     add_serve_parser(sub)
+    add_bench_parser(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s", datefmt="%H:%M:%S")

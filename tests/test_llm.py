@@ -1,19 +1,17 @@
 """The engine as users call it: LLM (engine-core process, IPC, scheduler, runner) end to end."""
 
-import copy
 import os
 import signal
 import threading
 import time
 
 import pytest
-import torch
 
 from engine.client import EngineDeadError
 from engine.llm import LLM
 from engine.output_processor import InvalidRequestError
 from engine.params import SamplingParams
-from tests.conftest import engine_core_children
+from tests.conftest import engine_core_children, hf_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 
@@ -44,15 +42,7 @@ def prompts(smollm2_dir):
 @pytest.fixture(scope="module")
 def reference(prompts, smollm2_hf):
     """transformers' greedy continuation of exactly 64 tokens for each prompt."""
-    config = copy.deepcopy(smollm2_hf.generation_config)
-    config.eos_token_id = None
-    out = []
-    for p in prompts:
-        with torch.no_grad():
-            ids = smollm2_hf.generate(torch.tensor([p]), generation_config=config, max_new_tokens=64,
-                                      do_sample=False, pad_token_id=0)
-        out.append(ids[0, len(p):].tolist())
-    return out
+    return [hf_greedy(smollm2_hf, p, 64) for p in prompts]
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ from compiled.model_runner import ModelRunner, decode_buckets
 from engine.config import EngineConfig
 from engine.params import SamplingParams
 from engine.scheduler_output import NewRequestData
+from tests.conftest import hf_greedy
 from tests.runner_utils import MiniDriver
 
 
@@ -76,18 +77,6 @@ def test_packed_step_logits_match_transformers(tiny_model):
 @pytest.mark.slow
 def test_packed_step_logits_match_transformers_smollm2(smollm2_dir):
     check_packed_step(smollm2_dir, vocab=49152)
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy continuation of exactly n tokens (generation does not stop at EOS)."""
-    import copy
-
-    config = copy.deepcopy(hf.generation_config)
-    config.eos_token_id = None
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), generation_config=config, max_new_tokens=n, do_sample=False,
-                          pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:

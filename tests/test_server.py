@@ -195,6 +195,7 @@ def test_greedy_is_token_exact_with_transformers(http):
     from transformers import AutoModelForCausalLM
 
     from compiled.loader import resolve_model
+    from tests.conftest import hf_greedy
 
     prompt, n = "The quick brown fox", 24
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0,
@@ -204,12 +205,7 @@ def test_greedy_is_token_exact_with_transformers(http):
 
     torch.set_num_threads(1)  # the server is idle now, but stays polite
     model = AutoModelForCausalLM.from_pretrained(resolve_model(None), dtype=torch.float32).eval()
-    config = model.generation_config
-    config.eos_token_id, config.pad_token_id = None, 0
-    ids = torch.tensor([choice["prompt_token_ids"]])
-    with torch.no_grad():
-        out = model.generate(ids, generation_config=config, max_new_tokens=n, do_sample=False)
-    assert out[0, ids.shape[1]:].tolist() == choice["token_ids"]
+    assert hf_greedy(model, choice["prompt_token_ids"], n) == choice["token_ids"]
 
 
 # ---- load and disconnects ------------------------------------------------------------------------

@@ -105,14 +105,14 @@ class ModelRunner:
         CUDA: decode-only steps (padded to a bucket) run the whole model under mode="reduce-overhead",
         one CUDA graph per bucket; steps with multi-token chunks use the per-layer graphs.
         """
-        # Dynamo specialises sizes 0 and 1, so inputs keep every dynamic size at 2 or more (see
-        # _prepare_inputs); the graphs are then: single-query rows only, chunks only (1 or more than
-        # 1 chunk) and both. Sizes that happen to be equal when traced must not be assumed equal.
+        # Dynamo specialises sizes 0 and 1, so inputs keep dynamic sizes at 2 or more (see
+        # _prepare_inputs) except a decode of one sequence; the graphs are: decode of 1, 2 and more
+        # sequences (Linear streams weights differently for 1-2 rows), chunks only (1 or more
+        # chunks), and both. Sizes that happen to be equal when traced must not be assumed equal.
         torch.fx.experimental._config.use_duck_shape = False
-        if self.device.type == "cpu" and self.buckets[0] == 1 and len(self.buckets) > 1:
-            self.buckets = self.buckets[1:]  # a second row is free next to reading all the weights
         for layer in self.model.layers:
             layer.compile(dynamic=True)
+        self.model.output.compile(dynamic=True)  # the LM head: one more weight stream per step
         if self.device.type == "cuda":
             self.decode_forward = torch.compile(self.model.forward, mode="reduce-overhead", dynamic=False)
 
@@ -168,8 +168,7 @@ class ModelRunner:
             return
         start = time.perf_counter()
         chunk = min(self.config.max_num_batched_tokens, self.max_model_len - 1) // 2
-        first = self.buckets[0]
-        shapes = [(b, []) for b in self.buckets] + [(0, [chunk]), (0, [chunk, 2]), (first, [chunk]), (first, [chunk, 2])]
+        shapes = [(b, []) for b in self.buckets] + [(0, [chunk]), (0, [chunk, 2]), (1, [chunk]), (1, [chunk, 2])]
         for num_single, chunk_lens in shapes:
             t = time.perf_counter()
             self._dummy_step(num_single, chunk_lens)
@@ -241,7 +240,8 @@ class ModelRunner:
 
     def _prepare_inputs(self, singles, chunks, num_scheduled):
         bs = self.block_size
-        n_pad = _bucket(len(singles), self.buckets) - len(singles) if singles else 0
+        # Batch 1 is its own graph (sizes of 1 are specialised) only where it pays: decode alone.
+        n_pad = _bucket(max(len(singles), 1 if not chunks else 2), self.buckets) - len(singles) if singles else 0
         rows: list[int] = []
         positions: list[int] = []
         token_ids: list[int] = []

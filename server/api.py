@@ -40,6 +40,36 @@ from starlette.routing import Route
 from engine.client import EngineDeadError
 from engine.output_processor import InvalidRequestError, RequestOutput
 from engine.params import SamplingParams
+from server.metrics import RequestTracker, ServerMetrics
+from server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatLogprobToken,
+    ChatMessage,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorInfo,
+    ErrorResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    TopLogprob,
+    UsageInfo,
+    VersionResponse,
+    _SamplingRequest,
+)
 
 logger = logging.getLogger("kiln.server")
 
@@ -51,230 +81,6 @@ MAX_STOP = 64  # stop strings or stop token ids
 _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
-
-
-# ---- request bodies ------------------------------------------------------------------------------
-
-class StreamOptions(msgspec.Struct, kw_only=True):
-    include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False  # accepted, not implemented
-
-
-class _SamplingRequest(msgspec.Struct, kw_only=True):
-    """Fields /v1/completions and /v1/chat/completions share (OpenAI's, then vLLM's extras)."""
-
-    model: str | None = None
-    n: int | None = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-    # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = 0
-    ignore_eos: bool | None = False
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool | None = False
-    skip_special_tokens: bool | None = True
-    return_token_ids: bool | None = False  # vLLM's: prompt_token_ids and token_ids in each choice
-
-
-class CompletionRequest(_SamplingRequest, kw_only=True):
-    # str | list[str] | list[int] | list[list[int]]: msgspec unions hold one array type, so checked by hand.
-    prompt: Any
-    max_tokens: int | msgspec.UnsetType | None = msgspec.UNSET  # absent: 16; null: up to the context
-    logprobs: int | None = None
-    echo: bool | None = False
-
-
-class ContentPart(msgspec.Struct, kw_only=True):
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(msgspec.Struct, kw_only=True):
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-
-
-class ChatCompletionRequest(_SamplingRequest, kw_only=True):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = None
-    # vLLM extras
-    add_generation_prompt: bool | None = True
-    continue_final_message: bool | None = False
-    chat_template_kwargs: dict[str, Any] | None = None
-
-
-class TokenizeRequest(msgspec.Struct, kw_only=True):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = True
-    add_generation_prompt: bool | None = True
-    return_token_strs: bool | None = False
-
-
-class DetokenizeRequest(msgspec.Struct, kw_only=True):
-    model: str | None = None
-    tokens: list[int]
-
-
-# ---- response bodies -----------------------------------------------------------------------------
-
-class ErrorInfo(msgspec.Struct, kw_only=True):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(msgspec.Struct, kw_only=True):
-    error: ErrorInfo
-
-
-class UsageInfo(msgspec.Struct, kw_only=True):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionLogprobs(msgspec.Struct, kw_only=True):
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-class CompletionChoice(msgspec.Struct, kw_only=True):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    # UNSET fields are left out of the JSON: present only when the request asked for return_token_ids.
-    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
-    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
-
-
-class CompletionResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """A whole completion, or one SSE chunk of one (then `usage` is absent except in the last)."""
-
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class TopLogprob(msgspec.Struct, kw_only=True):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class ChatLogprobToken(msgspec.Struct, kw_only=True):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(msgspec.Struct, kw_only=True):
-    content: list[ChatLogprobToken]
-
-
-class ChatResponseMessage(msgspec.Struct, kw_only=True):
-    role: str
-    content: str
-
-
-class ChatChoice(msgspec.Struct, kw_only=True):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
-    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
-
-
-class ChatCompletionResponse(msgspec.Struct, kw_only=True):
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-
-
-class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(msgspec.Struct, kw_only=True):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
-    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
-
-
-class ChatCompletionChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
-
-
-class ModelCard(msgspec.Struct, kw_only=True):
-    id: str
-    object: str
-    created: int
-    owned_by: str
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(msgspec.Struct, kw_only=True):
-    object: str
-    data: list[ModelCard]
-
-
-class TokenizeResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeResponse(msgspec.Struct, kw_only=True):
-    prompt: str
-
-
-class HealthResponse(msgspec.Struct, kw_only=True):
-    status: str
-
-
-class VersionResponse(msgspec.Struct, kw_only=True):
-    version: str
 
 
 _encoder = msgspec.json.Encoder()
@@ -328,127 +134,6 @@ def _bad_param(e: ValueError) -> APIError:
     """SamplingParams' ValueErrors start with the field's name."""
     message = str(e)
     return APIError(400, message, getattr(e, "param", None) or (message.split(" ", 1)[0] or None))
-
-
-# ---- metrics -------------------------------------------------------------------------------------
-
-class ServerMetrics:
-    """Prometheus metrics under `kiln:`, in a registry of their own (several apps may share a process)."""
-
-    TIME_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
-    ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-                   0.75, 1.0, 2.5, 5.0, 10.0)
-
-    def __init__(self, model_name: str) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
-
-        disable_created_metrics()  # no `_created` series next to every counter and histogram
-        self.registry = CollectorRegistry()
-        r, label = self.registry, ["model_name"]
-        self.model_name = model_name
-        self.request_success = Counter("kiln:request_success", "Finished sequences, by finish reason",
-                                       [*label, "finished_reason"], registry=r)
-        self.prompt_tokens = Counter("kiln:prompt_tokens", "Prompt tokens processed", label, registry=r)
-        self.generation_tokens = Counter("kiln:generation_tokens", "Tokens generated", label, registry=r)
-        self.ttft = Histogram("kiln:time_to_first_token_seconds", "Time to first token", label,
-                              buckets=self.TIME_BUCKETS, registry=r)
-        self.itl = Histogram("kiln:inter_token_latency_seconds", "Time between output tokens", label,
-                             buckets=self.ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("kiln:e2e_request_latency_seconds", "Request latency, arrival to last token", label,
-                             buckets=self.TIME_BUCKETS, registry=r)
-        self.queue_time = Histogram("kiln:request_queue_time_seconds", "Time from arrival to first scheduled",
-                                    label, buckets=self.TIME_BUCKETS, registry=r)
-        self.engine = _EngineStatsCollector(model_name)
-        r.register(self.engine)
-        # Export every series from the start, at zero, rather than once it first moves.
-        for reason in ("stop", "length", "abort"):
-            self.request_success.labels(model_name, reason)
-        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time):
-            metric.labels(model_name)
-
-    def render(self) -> bytes:
-        from prometheus_client import generate_latest
-
-        return generate_latest(self.registry)
-
-
-class _EngineStatsCollector:
-    """The engine core's scheduler stats, as of the last scrape (refreshed by /metrics)."""
-
-    GAUGES = (("kiln:num_requests_running", "num_running", "Requests in the running queue"),
-              ("kiln:num_requests_waiting", "num_waiting", "Requests in the waiting queue"),
-              ("kiln:kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV-cache blocks in use (0 to 1)"))
-    COUNTERS = (("kiln:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
-                ("kiln:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache"),
-                ("kiln:num_preemptions", "num_preemptions", "Requests preempted (KV cache full)"))
-
-    def __init__(self, model_name: str) -> None:
-        self.model_name = model_name
-        self.stats: dict[str, float] = {}
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        for name, key, doc in self.GAUGES:
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric([self.model_name], float(self.stats.get(key, 0)))
-            yield g
-        for name, key, doc in self.COUNTERS:
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric([self.model_name], float(self.stats.get(key, 0)))
-            yield c
-
-
-class _RequestTracker:
-    """One engine request's timings: feeds the metrics while it runs, logs one line when it ends."""
-
-    def __init__(self, metrics: ServerMetrics, request_id: str, num_prompt_tokens: int, n: int) -> None:
-        self.m, self.request_id, self.num_prompt_tokens, self.n = metrics, request_id, num_prompt_tokens, n
-        self.start = time.monotonic()
-        self.first_token: float | None = None
-        self.last_token: dict[int, float] = {}
-        self.num_generated = 0
-        self.finish: dict[int, str] = {}
-        self.queue_time: float | None = None
-
-    def update(self, out: RequestOutput) -> None:
-        m, name = self.m, self.m.model_name
-        now = time.monotonic()
-        for c in out.outputs:
-            k = len(c.delta_token_ids)
-            if k:
-                if self.first_token is None:
-                    self.first_token = now
-                    m.prompt_tokens.labels(name).inc(self.num_prompt_tokens)
-                    m.ttft.labels(name).observe(now - self.start)
-                prev = self.last_token.get(c.index)
-                if prev is not None:
-                    for _ in range(k):
-                        m.itl.labels(name).observe((now - prev) / k)
-                self.last_token[c.index] = now
-                self.num_generated += k
-                m.generation_tokens.labels(name).inc(k)
-            if c.finish_reason is not None and c.index not in self.finish:
-                self.finish[c.index] = c.finish_reason
-                m.request_success.labels(name, c.finish_reason).inc()
-        if self.queue_time is None and out.metrics.queue_time is not None:
-            self.queue_time = max(out.metrics.queue_time, 0.0)
-            m.queue_time.labels(name).observe(self.queue_time)
-
-    def close(self) -> None:
-        name = self.m.model_name
-        for i in range(self.n):
-            if i not in self.finish:
-                self.finish[i] = "abort"
-                self.m.request_success.labels(name, "abort").inc()
-        total = time.monotonic() - self.start
-        reasons = sorted(set(self.finish.values()))
-        if "abort" not in reasons:
-            self.m.e2e.labels(name).observe(total)
-        ttft = "-" if self.first_token is None else f"{self.first_token - self.start:.3f}s"
-        logger.info("%s prompt_tokens=%d generation_tokens=%d ttft=%s total=%.3fs finish_reason=%s",
-                    self.request_id, self.num_prompt_tokens, self.num_generated, ttft, total, ",".join(reasons))
 
 
 # ---- token strings for logprobs ------------------------------------------------------------------
@@ -713,7 +398,7 @@ class OpenAIServer:
                            param) from None
 
     async def _generate(self, request_id: str, ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        tracker = _RequestTracker(self.metrics, request_id, len(ids), params.n)
+        tracker = RequestTracker(self.metrics, request_id, len(ids), params.n)
         try:
             async with contextlib.aclosing(self.llm.generate(ids, params, request_id)) as gen:
                 async for out in gen:

@@ -1,0 +1,130 @@
+"""Prometheus metrics under `kiln:` and the per-request access log."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from engine.output_processor import RequestOutput
+
+logger = logging.getLogger("kiln.server")
+
+# ---- metrics -------------------------------------------------------------------------------------
+
+class ServerMetrics:
+    """Prometheus metrics under `kiln:`, in a registry of their own (several apps may share a process)."""
+
+    TIME_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+    ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                   0.75, 1.0, 2.5, 5.0, 10.0)
+
+    def __init__(self, model_name: str) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+
+        disable_created_metrics()  # no `_created` series next to every counter and histogram
+        self.registry = CollectorRegistry()
+        r, label = self.registry, ["model_name"]
+        self.model_name = model_name
+        self.request_success = Counter("kiln:request_success", "Finished sequences, by finish reason",
+                                       [*label, "finished_reason"], registry=r)
+        self.prompt_tokens = Counter("kiln:prompt_tokens", "Prompt tokens processed", label, registry=r)
+        self.generation_tokens = Counter("kiln:generation_tokens", "Tokens generated", label, registry=r)
+        self.ttft = Histogram("kiln:time_to_first_token_seconds", "Time to first token", label,
+                              buckets=self.TIME_BUCKETS, registry=r)
+        self.itl = Histogram("kiln:inter_token_latency_seconds", "Time between output tokens", label,
+                             buckets=self.ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("kiln:e2e_request_latency_seconds", "Request latency, arrival to last token", label,
+                             buckets=self.TIME_BUCKETS, registry=r)
+        self.queue_time = Histogram("kiln:request_queue_time_seconds", "Time from arrival to first scheduled",
+                                    label, buckets=self.TIME_BUCKETS, registry=r)
+        self.engine = EngineStatsCollector(model_name)
+        r.register(self.engine)
+        # Export every series from the start, at zero, rather than once it first moves.
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(model_name, reason)
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time):
+            metric.labels(model_name)
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+class EngineStatsCollector:
+    """The engine core's scheduler stats, as of the last scrape (refreshed by /metrics)."""
+
+    GAUGES = (("kiln:num_requests_running", "num_running", "Requests in the running queue"),
+              ("kiln:num_requests_waiting", "num_waiting", "Requests in the waiting queue"),
+              ("kiln:kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV-cache blocks in use (0 to 1)"))
+    COUNTERS = (("kiln:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+                ("kiln:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+                ("kiln:num_preemptions", "num_preemptions", "Requests preempted (KV cache full)"))
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats: dict[str, float] = {}
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        for name, key, doc in self.GAUGES:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([self.model_name], float(self.stats.get(key, 0)))
+            yield g
+        for name, key, doc in self.COUNTERS:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], float(self.stats.get(key, 0)))
+            yield c
+
+
+class RequestTracker:
+    """One engine request's timings: feeds the metrics while it runs, logs one line when it ends."""
+
+    def __init__(self, metrics: ServerMetrics, request_id: str, num_prompt_tokens: int, n: int) -> None:
+        self.m, self.request_id, self.num_prompt_tokens, self.n = metrics, request_id, num_prompt_tokens, n
+        self.start = time.monotonic()
+        self.first_token: float | None = None
+        self.last_token: dict[int, float] = {}
+        self.num_generated = 0
+        self.finish: dict[int, str] = {}
+        self.queue_time: float | None = None
+
+    def update(self, out: RequestOutput) -> None:
+        m, name = self.m, self.m.model_name
+        now = time.monotonic()
+        for c in out.outputs:
+            k = len(c.delta_token_ids)
+            if k:
+                if self.first_token is None:
+                    self.first_token = now
+                    m.prompt_tokens.labels(name).inc(self.num_prompt_tokens)
+                    m.ttft.labels(name).observe(now - self.start)
+                prev = self.last_token.get(c.index)
+                if prev is not None:
+                    for _ in range(k):
+                        m.itl.labels(name).observe((now - prev) / k)
+                self.last_token[c.index] = now
+                self.num_generated += k
+                m.generation_tokens.labels(name).inc(k)
+            if c.finish_reason is not None and c.index not in self.finish:
+                self.finish[c.index] = c.finish_reason
+                m.request_success.labels(name, c.finish_reason).inc()
+        if self.queue_time is None and out.metrics.queue_time is not None:
+            self.queue_time = max(out.metrics.queue_time, 0.0)
+            m.queue_time.labels(name).observe(self.queue_time)
+
+    def close(self) -> None:
+        name = self.m.model_name
+        for i in range(self.n):
+            if i not in self.finish:
+                self.finish[i] = "abort"
+                self.m.request_success.labels(name, "abort").inc()
+        total = time.monotonic() - self.start
+        reasons = sorted(set(self.finish.values()))
+        if "abort" not in reasons:
+            self.m.e2e.labels(name).observe(total)
+        ttft = "-" if self.first_token is None else f"{self.first_token - self.start:.3f}s"
+        logger.info("%s prompt_tokens=%d generation_tokens=%d ttft=%s total=%.3fs finish_reason=%s",
+                    self.request_id, self.num_prompt_tokens, self.num_generated, ttft, total, ",".join(reasons))

@@ -78,7 +78,10 @@ class ModelRunner:
                     str(self.dtype).removeprefix("torch."), time.perf_counter() - start, self.model_dir)
         args = self.model.args
         self.vocab_size = args.vocab_size
-        self.max_model_len = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+        limit = min(args.max_position_embeddings, args.sliding_window or args.max_position_embeddings)
+        if config.max_model_len and config.max_model_len > limit:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {limit} tokens")
+        self.max_model_len = config.max_model_len or limit
         self.block_size = config.block_size
         self.max_blocks_per_seq = cdiv(self.max_model_len, self.block_size)
         self.buckets = decode_buckets(config.max_num_seqs)

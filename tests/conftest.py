@@ -10,6 +10,8 @@ def make_tiny_model(path, kind: str = "llama") -> str:
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -23,6 +25,8 @@ def make_tiny_model(path, kind: str = "llama") -> str:
         rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 128}
         model = LlamaForCausalLM(LlamaConfig(**TINY, rope_parameters=rope, tie_word_embeddings=True))
+    elif kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(**TINY, sliding_window=None, tie_word_embeddings=False))
     elif kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=True))
     elif kind == "qwen3":
@@ -37,7 +41,7 @@ def make_tiny_model(path, kind: str = "llama") -> str:
     return str(path)
 
 
-@pytest.fixture(scope="session", params=["llama", "llama3", "qwen2", "qwen3"])
+@pytest.fixture(scope="session", params=["llama", "llama3", "mistral", "qwen2", "qwen3"])
 def tiny_model(request, tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
 

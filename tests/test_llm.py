@@ -56,6 +56,11 @@ def test_greedy_is_token_exact_with_transformers(prompts, reference, engine_args
     with LLM(dtype="float32", max_num_seqs=16, max_model_len=512, **{"kv_cache_memory": 1 << 28, **engine_args}) as llm:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         stats = llm.get_stats()
+        # Without ignore_eos the same greedy run stops at the model's EOS, which ends no text.
+        stopped = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0].outputs[0]
+    eos = reference[0].index(llm.processor.eos_token_id)
+    assert stopped.token_ids == reference[0][: eos + 1] and stopped.finish_reason == "stop"
+    assert stopped.text == llm.tokenizer.decode(reference[0][:eos]) and "<|im_end|>" not in stopped.text
     for i, (out, ref) in enumerate(zip(outs, reference)):
         assert out.prompt_token_ids == prompts[i]
         assert out.outputs[0].token_ids == ref, f"prompt {i} ({QUESTIONS[i]!r}) diverged"

@@ -37,6 +37,9 @@ class ModelArgs:
     o_bias: bool = False
     qk_norm: bool = False
     tie_word_embeddings: bool = False
+    # Mistral-style local attention; sequences no longer than the window attend fully, so the runner
+    # caps the context there rather than implementing the window.
+    sliding_window: int | None = None
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelArgs:
@@ -64,6 +67,8 @@ class ModelArgs:
             o_bias=bias,
             qk_norm=model_type == "qwen3",
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            sliding_window=window if (window := getattr(config, "sliding_window", None)) and (
+                model_type == "mistral" or getattr(config, "use_sliding_window", False)) else None,
         )
 
 

@@ -1,0 +1,113 @@
+import math
+
+import pytest
+import torch
+
+from compiled.sampler import SamplingMetadata, apply_penalties, filter_probs, sample, uniform_noise
+
+
+def meta(rows: int, **kw) -> SamplingMetadata:
+    def col(name, default, dtype=torch.float32):
+        v = kw.pop(name, default)
+        return torch.tensor(v if isinstance(v, list) else [v] * rows, dtype=dtype)
+
+    m = SamplingMetadata(
+        temperature=col("temperature", 1.0), top_k=col("top_k", 0, torch.int64), top_p=col("top_p", 1.0),
+        min_p=col("min_p", 0.0), seeds=col("seeds", 0, torch.int64), steps=col("steps", 0, torch.int64),
+        all_greedy=False, any_top_k=False, any_top_p=False, any_min_p=False)
+    m.any_top_k, m.any_top_p, m.any_min_p = bool((m.top_k > 0).any()), bool((m.top_p < 1).any()), bool((m.min_p > 0).any())
+    for k, v in kw.items():
+        setattr(m, k, v)
+    return m
+
+
+def test_top_k_never_leaves_the_top_k():
+    torch.manual_seed(0)
+    logits = torch.randn(8, 100)
+    m = meta(8, top_k=[1, 2, 3, 5, 8, 13, 21, 34], seeds=list(range(8)))
+    top = [set(logits[i].topk(k).indices.tolist()) for i, k in enumerate(m.top_k.tolist())]
+    for step in range(50):
+        m.steps = torch.full((8,), step)
+        tokens = sample(logits, m).token_ids.tolist()
+        assert all(t in top[i] for i, t in enumerate(tokens))
+    kept = filter_probs(logits.softmax(-1), m)
+    assert ((kept > 0).sum(-1) == m.top_k).all()
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5], [0.4, 0.3, 0.2, 0.1]])
+    kept = filter_probs(probs, meta(3, top_p=[0.7, 0.85, 0.95]))
+    assert (kept > 0).tolist() == [[True, True, False, False], [False, True, True, True], [True, True, True, True]]
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_best():
+    probs = torch.tensor([[0.5, 0.3, 0.11, 0.09]])
+    assert (filter_probs(probs, meta(1, min_p=0.2)) > 0).tolist() == [[True, True, True, False]]
+
+
+def test_penalties_follow_their_formulas():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+    counts = torch.tensor([[2, 0, 1, 0, 0]])  # output tokens
+    seen = torch.tensor([[True, True, True, False, False]])  # prompt has token 1 too
+    m = meta(1, presence=torch.tensor([0.5]), frequency=torch.tensor([0.25]), repetition=torch.tensor([2.0]),
+             output_counts=counts, seen_mask=seen)
+    out = apply_penalties(logits.clone(), m)
+    expected = [2.0 / 2 - 0.25 * 2 - 0.5, -1.0 * 2, 0.5 / 2 - 0.25 - 0.5, 3.0, -2.0]
+    assert torch.allclose(out, torch.tensor([expected]))
+
+
+def test_greedy_rows_take_the_argmax_beside_sampled_rows():
+    torch.manual_seed(1)
+    logits = torch.randn(4, 50)
+    out = sample(logits, meta(4, temperature=[0.0, 1.0, 0.0, 1.0], seeds=[1, 2, 3, 4]))
+    assert out.token_ids[0] == logits[0].argmax() and out.token_ids[2] == logits[2].argmax()
+
+
+def test_seeded_draws_do_not_depend_on_the_batch():
+    torch.manual_seed(2)
+    row = torch.randn(1, 200)
+    alone = [int(sample(row, meta(1, seeds=99, steps=s)).token_ids[0]) for s in range(20)]
+    batch = torch.cat([torch.randn(3, 200), row, torch.randn(2, 200)])
+    mixed = [int(sample(batch, meta(6, seeds=[5, 6, 7, 99, 8, 9], steps=[s] * 6)).token_ids[3]) for s in range(20)]
+    assert alone == mixed
+    assert len(set(alone)) > 1  # the step counter advances the draws
+    other_seed = [int(sample(row, meta(1, seeds=100, steps=s)).token_ids[0]) for s in range(20)]
+    assert other_seed != alone
+
+
+def test_empirical_frequencies_match_softmax():
+    """Chi-square goodness of fit at temperature 1 over 20 000 draws (critical value at p=0.001, 9 dof)."""
+    logits = torch.linspace(-2.0, 1.0, 10)[None]
+    n = 20_000
+    m = meta(n, seeds=list(range(n)))
+    counts = torch.bincount(sample(logits.expand(n, -1), m).token_ids, minlength=10).float()
+    expected = logits.softmax(-1)[0] * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 27.88, f"chi-square {chi2:.1f}"
+
+
+def test_temperature_sharpens():
+    logits = torch.tensor([[1.0, 0.0, -1.0]])
+    n = 5000
+    hot = sample(logits.expand(n, -1), meta(n, temperature=2.0, seeds=list(range(n)))).token_ids
+    cold = sample(logits.expand(n, -1), meta(n, temperature=0.25, seeds=list(range(n)))).token_ids
+    assert (cold == 0).float().mean() > 0.95 > (hot == 0).float().mean()
+
+
+def test_uniform_noise_is_uniform_and_in_the_open_interval():
+    u = uniform_noise(torch.arange(64), torch.zeros(64, dtype=torch.int64), 4096)
+    assert float(u.min()) > 0.0 and float(u.max()) < 1.0
+    assert abs(float(u.mean()) - 0.5) < 0.005 and abs(float(u.var()) - 1 / 12) < 0.002
+
+
+@pytest.mark.parametrize("n", [0, 3])
+def test_logprobs_are_the_raw_distribution(n):
+    logits = torch.randn(2, 30)
+    m = meta(2, temperature=0.0, max_num_logprobs=n)
+    m.all_greedy = True
+    out = sample(logits, m)
+    raw = logits.log_softmax(-1)
+    assert torch.allclose(out.logprobs, raw.gather(-1, out.token_ids[:, None])[:, 0])
+    if n:
+        assert torch.allclose(out.topk_logprobs, raw.topk(n).values)
+        assert math.isclose(float(out.topk_logprobs[0, 0]), float(out.logprobs[0]), rel_tol=1e-6)

@@ -86,7 +86,3 @@ def run(
         "us_per_step": us_per_step,
         "us_per_request": us_per_step * steps / max(num_scheduled, 1),
     }
-
-
-if __name__ == "__main__":
-    print(run())

@@ -3,6 +3,8 @@
 Layout: one K and one V tensor per layer, `[num_blocks, block_size, n_kv_heads, head_dim]`; a token
 at position p of a sequence lives in slot `block_table[p // block_size] * block_size + p % block_size`.
 Block 0 is the null block: padding tokens write there and padded block-table entries point there.
+The cache is allocated uninitialised (no start-up pass over gigabytes), so every read masks the
+slots a sequence has not written.
 
 A packed step is split by shape, not by phase: the first `Bd` tokens are sequences with exactly
 one query (decodes, and a prefill whose last token is all that is left), the rest are the query
@@ -62,6 +64,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: 
     L, Hkv = k.shape[1], k.shape[2]
     q = q.view(B, Hkv, H // Hkv, D)  # fold the GQA group next to its KV head
     valid = torch.arange(L, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
+    v = torch.where(valid[:, :, None, None], v, 0.0)  # unwritten slots may hold anything, NaN included
     if torch.compiler.is_compiling():
         scores = (q[:, None].float() * k[:, :, :, None].float()).sum(-1) * scale  # [B, L, Hkv, G]
         scores = scores.masked_fill(~valid[:, :, None, None], float("-inf"))
@@ -81,6 +84,9 @@ def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attenti
     qp = q[meta.prefill_query_index].transpose(1, 2)  # [P, H, Qp, D]
     key_pos = torch.arange(k.shape[2], device=q.device)
     mask = key_pos[None, None, None, :] <= meta.prefill_query_pos[:, None, :, None]  # [P, 1, Qp, L]
+    # Unwritten slots may hold anything, NaN included: a masked score still meets them.
+    written = (key_pos[None, :] <= meta.prefill_query_pos.amax(1)[:, None])[:, None, :, None]  # [P, 1, L, 1]
+    k, v = torch.where(written, k, 0.0), torch.where(written, v, 0.0)
     out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     P, H, Qp, D = out.shape
     return out.transpose(1, 2).reshape(P * Qp, H, D)[meta.prefill_out_index]

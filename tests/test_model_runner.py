@@ -33,11 +33,19 @@ def step_logits(runner: ModelRunner, so) -> dict[str, torch.Tensor]:
     return out
 
 
+def poison_kv_cache(runner: ModelRunner) -> None:
+    """The cache starts uninitialised: make that garbage NaN, which any unmasked read would spread."""
+    for layer in runner.model.layers:
+        layer.attention.k_cache.fill_(float("nan"))
+        layer.attention.v_cache.fill_(float("nan"))
+
+
 def check_packed_step(model_dir: str, vocab: int, block_size: int = 4) -> None:
     torch.manual_seed(1)
     runner = ModelRunner(EngineConfig(model=model_dir, dtype="float32", block_size=8 if block_size == 8 else 16,
                                       max_num_seqs=8, num_kv_blocks=256, enforce_eager=True))
     runner.initialize_kv_cache(256)
+    poison_kv_cache(runner)
     bs = runner.block_size
     drv = MiniDriver(runner, chunk=2 * bs)
     prompts = {rid: torch.randint(0, vocab, (n,)).tolist() for rid, n in
@@ -97,6 +105,7 @@ def test_greedy_generation_matches_transformers_smollm2(smollm2_dir, smollm2_hf,
     runner = ModelRunner(EngineConfig(model=smollm2_dir, dtype="float32", max_num_seqs=16, num_kv_blocks=128,
                                       max_num_batched_tokens=64, enforce_eager=enforce_eager))
     runner.initialize_kv_cache(128)
+    poison_kv_cache(runner)
     drv = MiniDriver(runner, chunk=24)  # longer prompts prefill in several chunks
     for i, p in enumerate(prompts):
         drv.add(str(i), p)

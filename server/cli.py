@@ -95,6 +95,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         result = run(num_requests=args.num_requests, steps=args.steps)
         print(json.dumps(result, indent=2))
+    elif args.bench == "startup":
+        from engine.bench_startup import run
+
+        result = run(args.model, args.dtype, tuple(args.engine_arg))
+        print(f"time to first token: cold {result['cold_s']:.1f} s, warm {result['warm_s']:.1f} s")
     elif args.bench == "runner":
         from compiled import bench
 
@@ -123,7 +128,12 @@ def add_bench_parser(sub) -> None:
     runner.add_argument("--prefill-len", type=int, default=512)
     runner.add_argument("--num-threads", type=int, default=None)
     runner.add_argument("--no-compare", action="store_true", help="skip transformers")
-    for p in (sched, runner):
+    startup = kinds.add_parser("startup", help="process start to first token, cold and warm compile cache")
+    startup.add_argument("--model", default=None)
+    startup.add_argument("--dtype", default="auto")
+    startup.add_argument("--engine-arg", action="append", default=[],
+                         help="extra `kiln generate` flag, e.g. --engine-arg=--max-num-seqs=16")
+    for p in (sched, runner, startup):
         p.add_argument("--json", default=None, help="also write the results to this file")
     bench.set_defaults(func=cmd_bench)
 

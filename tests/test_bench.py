@@ -21,3 +21,11 @@ def test_bench_runner_on_a_tiny_model(tiny_llama, tmp_path, capsys):
         assert set(result[engine]["decode_tok_s"]) == {"1", "3"} and result[engine]["prefill_tok_s"] > 0
     assert result["roofline_tok_s"] > 0
     assert "compiled / transformers" in capsys.readouterr().out
+
+
+def test_bench_startup_on_a_tiny_model(tiny_chat_model, tmp_path):
+    out = tmp_path / "st.json"
+    assert main(["bench", "startup", "--model", tiny_chat_model, "--dtype", "float32",
+                 "--engine-arg=--enforce-eager", "--engine-arg=--kv-cache-memory=50000000", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["warm_s"] > 0 and result["cold_s"] > 0

@@ -187,9 +187,7 @@ class ModelRunner:
         singles = [dummy(i, 1) for i in range(num_single)]
         chunks = [dummy(num_single + i, n) for i, n in enumerate(chunk_lens)]
         scheduled = {s.req_id: (1 if i < num_single else len(s.token_ids)) for i, s in enumerate(singles + chunks)}
-        inputs, meta, logits_index, sampled = self._prepare_inputs(singles, chunks, scheduled)
-        forward = self.decode_forward if not chunks else self.forward
-        self._sample(forward(inputs[0], inputs[1], meta), logits_index, sampled)
+        self._run(singles, chunks, scheduled)
 
     # ---- one step -------------------------------------------------------------------------------
 
@@ -221,12 +219,7 @@ class ModelRunner:
         states = [self.requests[rid] for rid in so.num_scheduled_tokens]
         singles = [s for s in states if so.num_scheduled_tokens[s.req_id] == 1]
         chunks = [s for s in states if so.num_scheduled_tokens[s.req_id] > 1]
-        inputs, meta, logits_index, sampled = self._prepare_inputs(singles, chunks, so.num_scheduled_tokens)
-        forward = self.decode_forward if not chunks else self.forward
-        hidden = forward(inputs[0], inputs[1], meta)
-        tokens, logprobs = self._sample(hidden, logits_index, sampled)
-        for s, n in zip(states, (so.num_scheduled_tokens[s.req_id] for s in states)):
-            s.num_computed_tokens += n
+        sampled, tokens, logprobs = self._run(singles, chunks, so.num_scheduled_tokens)
         out_tokens: dict[str, list[int]] = {}
         out_logprobs: dict[str, list] = {}
         for i, s in enumerate(sampled):
@@ -240,6 +233,13 @@ class ModelRunner:
             sampled_token_ids=[out_tokens.get(s.req_id, []) for s in order],
             logprobs=[out_logprobs.get(s.req_id) for s in order] if out_logprobs else None,
         )
+
+    def _run(self, singles, chunks, num_scheduled):
+        """Forward one packed step and sample; returns the sampled states, their tokens and logprobs."""
+        (token_ids, positions), meta, logits_index, sampled = self._prepare_inputs(singles, chunks, num_scheduled)
+        forward = self.decode_forward if not chunks else self.forward
+        tokens, logprobs = self._sample(forward(token_ids, positions, meta), logits_index, sampled)
+        return sampled, tokens, logprobs
 
     def _prepare_inputs(self, singles, chunks, num_scheduled):
         bs = self.block_size

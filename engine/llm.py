@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -52,8 +53,6 @@ class _FrontEnd:
 
     def _prepare(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None):
         """Validate and register one prompt; returns the core requests to send."""
-        import time
-
         prompt_ids = self.processor.tokenize(prompt)
         params = self.processor.validate(prompt_ids, params)
         request_id = request_id or f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"

@@ -19,9 +19,9 @@ from engine.scheduler_output import CachedRequestData, NewRequestData, Scheduler
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20)
 
 
-def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Bytes per second moved (read + write) by a large tensor copy: the memory roofline's yardstick."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
+def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5, device: str | torch.device = "cpu") -> float:
+    """Bytes per second moved (read + write) by a large tensor copy on `device`: the memory roofline's yardstick."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
     best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))

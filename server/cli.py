@@ -36,6 +36,18 @@ def engine_args(args: argparse.Namespace) -> dict:
     return {n: getattr(args, n) for n in names}
 
 
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine flags of `args` that differ from the defaults, as `kiln serve` takes them."""
+    defaults = argparse.ArgumentParser()
+    add_engine_args(defaults)
+    flags = []
+    for name, value in engine_args(args).items():
+        if value != defaults.get_default(name):
+            flag = "--" + name.replace("_", "-")
+            flags += [flag] if value is True else ["--no-" + flag[2:]] if value is False else [flag, str(value)]
+    return flags
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -107,6 +119,35 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = bench.run(args.model, args.dtype, batches, args.context, args.steps, args.prefill_len,
                            compare=not args.no_compare, num_threads=args.num_threads)
         print(bench.format_report(result))
+    elif args.bench == "throughput":
+        from engine import bench_throughput
+
+        result = bench_throughput.run(args.model, engine_args(args), args.num_prompts, args.input_len_min,
+                                      args.input_len_max, args.output_len, args.dataset, args.seed, bool(args.compare))
+        print(bench_throughput.format_report(result))
+    elif args.bench == "latency":
+        from engine import bench_latency
+
+        lens = tuple(int(n) for n in args.input_lens.split(","))
+        result = bench_latency.run(args.model, engine_args(args), lens, args.output_len, args.iters, args.seed,
+                                   bool(args.compare))
+        print(bench_latency.format_report(result))
+    elif args.bench == "serve":
+        from server import bench_serve
+
+        def serve_run(base_url: str) -> dict:
+            return bench_serve.run(base_url, args.model, args.endpoint, args.num_prompts, args.input_len_min,
+                                   args.input_len_max, args.output_len, args.dataset,
+                                   args.tokenizer or args.launch or None, args.request_rate, args.max_concurrency,
+                                   args.seed, args.api_key)
+
+        if args.launch is None:
+            result = serve_run(args.base_url)
+        else:
+            flags = engine_flags(args) + (["--api-key", args.api_key] if args.api_key else [])
+            with bench_serve.launch(args.launch or None, flags) as url:
+                result = serve_run(url)
+        print(bench_serve.format_report(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
@@ -114,6 +155,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def add_bench_parser(sub) -> None:
+    import os
+
     bench = sub.add_parser("bench", help="benchmarks (numbers to record in BENCHMARKS.md)")
     kinds = bench.add_subparsers(dest="bench", required=True)
     sched = kinds.add_parser("scheduler", help="schedule + update cost per step with a fake runner")
@@ -133,7 +176,40 @@ def add_bench_parser(sub) -> None:
     startup.add_argument("--dtype", default="auto")
     startup.add_argument("--engine-arg", action="append", default=[],
                          help="extra `kiln generate` flag, e.g. --engine-arg=--max-num-seqs=16")
-    for p in (sched, runner, startup):
+    throughput = kinds.add_parser("throughput", help="offline batch through LLM.generate: requests/s and tokens/s")
+    latency = kinds.add_parser("latency", help="batch 1: time to first token and decode tok/s against the roofline")
+    serve = kinds.add_parser("serve", help="load an OpenAI-compatible server: TTFT, TPOT, ITL, E2E and throughput")
+    for p in (throughput, latency):
+        p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2)")
+        p.add_argument("--output-len", type=int, default=128)
+        p.add_argument("--compare", choices=["transformers"], default=None,
+                       help="also run transformers on the same prompts, weights, dtype and device")
+        add_engine_args(p)
+    for p in (throughput, serve):
+        p.add_argument("--input-len-min", type=int, default=32, help="random prompts: shortest, in tokens")
+        p.add_argument("--input-len-max", type=int, default=512, help="random prompts: longest, in tokens")
+        p.add_argument("--dataset", default=None, help="JSONL file whose lines have a 'prompt' field, instead")
+    for p in (throughput, latency, serve):
+        p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (and of serve's arrivals)")
+    throughput.add_argument("--num-prompts", type=int, default=256)
+    latency.add_argument("--input-lens", default="128,512,2048", help="prompt lengths, capped by max_model_len")
+    latency.add_argument("--iters", type=int, default=3, help="timed requests per length, after one warm-up")
+    serve.add_argument("--base-url", default="http://127.0.0.1:8000")
+    serve.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
+    serve.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    serve.add_argument("--num-prompts", type=int, default=64)
+    serve.add_argument("--output-len", type=int, default=128)
+    serve.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second, or inf")
+    serve.add_argument("--max-concurrency", type=int, default=16)
+    serve.add_argument("--tokenizer", default=None,
+                       help="model directory or .gguf whose tokenizer makes the random prompts (default: the launched "
+                            "model, else the embedded SmolLM2)")
+    serve.add_argument("--api-key", default=os.environ.get("KILN_API_KEY") or None)
+    serve.add_argument("--launch", nargs="?", const="", default=None, metavar="MODEL",
+                       help="start `kiln serve MODEL` (default model if none) on a free port with the engine flags "
+                            "below, run against it, then stop it")
+    add_engine_args(serve)
+    for p in (sched, runner, startup, throughput, latency, serve):
         p.add_argument("--json", default=None, help="also write the results to this file")
     bench.set_defaults(func=cmd_bench)
 

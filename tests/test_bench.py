@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from server.cli import main
 
 
@@ -29,3 +31,71 @@ def test_bench_startup_on_a_tiny_model(tiny_chat_model, tmp_path):
                  "--engine-arg=--enforce-eager", "--engine-arg=--kv-cache-memory=50000000", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["warm_s"] > 0 and result["cold_s"] > 0
+
+
+TINY_ENGINE = ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory", "50000000"]
+TINY_LOAD = ["--num-prompts", "4", "--input-len-min", "8", "--input-len-max", "24", "--output-len", "4"]
+
+
+def test_bench_prompts_are_seeded_windows_of_the_asked_lengths(tiny_chat_model, tmp_path):
+    from compiled.loader import load_tokenizer
+    from engine.bench_prompts import dataset_prompts, token_prompts
+
+    tok = load_tokenizer(tiny_chat_model)
+    prompts = token_prompts(tok, 16, 8, 24, seed=1)
+    assert len(prompts) == 16 and all(8 <= len(p) <= 24 for p in prompts)
+    assert prompts == token_prompts(tok, 16, 8, 24, seed=1) != token_prompts(tok, 16, 8, 24, seed=2)
+    assert len({tuple(p[:8]) for p in prompts}) == 16  # random offsets: no shared prefixes
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n{"prompt": "c"}\n')
+    assert dataset_prompts(str(data), 2) == ["a", "b"]
+    data.write_text('{"text": "a"}\n')
+    with pytest.raises(ValueError, match="'prompt'"):
+        dataset_prompts(str(data), 2)
+
+
+def test_bench_throughput_against_transformers(tiny_chat_model, tmp_path, capsys):
+    out = tmp_path / "t.json"
+    assert main(["bench", "throughput", "--model", tiny_chat_model, *TINY_ENGINE, *TINY_LOAD, "--max-num-seqs", "2",
+                 "--compare", "transformers", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert 8 <= r["config"]["input_len_min"] <= r["config"]["input_len_max"] <= 24
+    for engine in ("kiln", "transformers_static"):
+        assert r[engine]["num_requests"] == 4 and r[engine]["output_tokens"] == 4 * 4
+        assert r[engine]["prompt_tokens"] == round(4 * r["config"]["input_len_mean"])
+        assert r[engine]["requests_per_s"] > 0 and r[engine]["total_tok_s"] > r[engine]["output_tok_s"] > 0
+    cb = r["transformers_continuous"]
+    assert cb.get("unavailable") or cb["output_tokens"] == 4 * 4
+    assert "| transformers, static batches |" in capsys.readouterr().out
+
+
+def test_bench_latency_against_transformers(tiny_chat_model, tmp_path, capsys):
+    out = tmp_path / "l.json"
+    assert main(["bench", "latency", "--model", tiny_chat_model, *TINY_ENGINE, "--max-model-len", "64",
+                 "--input-lens", "8,24,1000", "--output-len", "4", "--iters", "2", "--compare", "transformers",
+                 "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["config"]["input_lens"] == [8, 24, 60]  # 1000 capped at max_model_len - output_len
+    for engine in ("kiln", "transformers"):
+        assert set(r[engine]) == {"8", "24", "60"}
+        for d in r[engine].values():
+            assert len(d["ttft_ms"]) == 2 and min(d["ttft_ms"]) > 0 and min(d["decode_tok_s"]) > 0
+    assert r["weight_bytes"] > 0 and r["roofline_tok_s"] > 0
+    assert "kiln speedup" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_bench_serve_launches_a_server(endpoint, tiny_chat_model, tmp_path, capsys):
+    out, data = tmp_path / "s.json", tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Tell me about kiln number {i}."}) + "\n" for i in range(4)))
+    load = ["--dataset", str(data)] if endpoint == "chat" else ["--request-rate", "50"]
+    assert main(["bench", "serve", "--launch", tiny_chat_model, *TINY_ENGINE, *TINY_LOAD, "--endpoint", endpoint,
+                 *load, "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["completed"] == 4 and r["failed"] == 0 and r["first_error"] is None
+    assert r["output_tokens"] == 4 * 4 and all(q["output_tokens"] == 4 for q in r["requests"])
+    assert r["prompt_tokens"] > 0 and r["request_throughput"] > 0
+    for m in ("ttft", "tpot", "itl", "e2e"):
+        assert 0 < r[m]["p50_ms"] <= r[m]["p99_ms"]
+    assert r["e2e"]["mean_ms"] >= r["ttft"]["mean_ms"]
+    assert "| TTFT |" in capsys.readouterr().out

@@ -1,0 +1,148 @@
+"""`kiln bench latency`: one request at a time, as a chat user sees it: time to first token for a few
+prompt lengths, then the decode rate, against the memory roofline (a batch-1 decode step reads every
+weight once, so it cannot beat copy bandwidth ÷ weight bytes).
+
+kiln is timed through AsyncLLM's stream, from submitting the prompt to each arriving token, so TTFT
+includes everything a caller waits for (IPC, scheduling, chunked prefill, sampling). transformers is
+timed through `generate` with a streamer that stamps each token as it comes out. Each length runs one
+untimed warm-up request first; the prefix cache is reset before every request, so TTFT is a real prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import statistics
+import time
+from pathlib import Path
+
+from engine.bench_prompts import token_prompts
+from engine.bench_throughput import load_transformers, use_engine_threads
+from engine.params import SamplingParams
+
+
+def _summary(runs: list[tuple[float, float]]) -> dict:
+    ttft = [t * 1e3 for t, _ in runs]
+    decode = [d for _, d in runs]
+    return {"ttft_ms": ttft, "decode_tok_s": decode,
+            "ttft_ms_mean": statistics.mean(ttft), "ttft_ms_median": statistics.median(ttft),
+            "decode_tok_s_mean": statistics.mean(decode), "decode_tok_s_median": statistics.median(decode)}
+
+
+def weight_bytes(model_dir: str, dtype: str) -> int:
+    """Bytes one batch-1 decode step reads: every stored parameter once (tied embeddings are stored once),
+    at the dtype the engine runs."""
+    import torch
+    from safetensors import safe_open
+
+    from compiled.loader import resolve_dtype
+
+    numel = 0
+    for path in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            numel += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118 (not a dict)
+    return numel * resolve_dtype(dtype, torch.device("cpu")).itemsize
+
+
+async def bench_kiln(llm, prompts: dict[int, list[list[int]]], output_len: int) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    result = {}
+    for n, batch in prompts.items():
+        runs = []
+        for i, prompt in enumerate(batch):
+            await llm.reset_prefix_cache()
+            start, first, first_count = time.perf_counter(), 0.0, 0
+            async for out in llm.generate(prompt, params):
+                now, count = time.perf_counter(), len(out.outputs[0].token_ids)
+                if not first_count and count:
+                    first, first_count = now, count
+            if i:  # the first request of each length is the warm-up
+                runs.append((first - start, (count - first_count) / (now - first)))
+        result[n] = _summary(runs)
+    return result
+
+
+def bench_transformers(model, prompts: dict[int, list[list[int]]], output_len: int, pad_id: int) -> dict:
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    class Clock(BaseStreamer):
+        """generate() puts the prompt first, then each new token: stamp the tokens."""
+
+        def __init__(self) -> None:
+            self.prompt_seen, self.times = False, []
+
+        def put(self, value) -> None:
+            if self.prompt_seen:
+                self.times.append(time.perf_counter())
+            self.prompt_seen = True
+
+        def end(self) -> None:
+            pass
+
+    result = {}
+    with torch.no_grad():
+        for n, batch in prompts.items():
+            runs = []
+            for i, prompt in enumerate(batch):
+                clock, ids = Clock(), torch.tensor([prompt], device=model.device)
+                start = time.perf_counter()
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, streamer=clock,
+                               max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=pad_id)
+                t = clock.times
+                if i:
+                    runs.append((t[0] - start, (len(t) - 1) / (t[-1] - t[0])))
+            result[n] = _summary(runs)
+    return result
+
+
+def run(model: str | None, engine_args: dict, input_lens: tuple[int, ...] = (128, 512, 2048), output_len: int = 128,
+        iters: int = 3, seed: int = 0, compare: bool = False) -> dict:
+    """kiln TTFT and decode rate per prompt length, the roofline, and (with `compare`) transformers."""
+    from compiled.bench import copy_bandwidth
+    from engine.llm import AsyncLLM
+
+    if output_len < 2 or iters < 1:
+        raise ValueError("latency needs --output-len of at least 2 (one decode step) and --iters of at least 1")
+    llm = AsyncLLM(model, **engine_args)
+    try:
+        if llm.max_model_len <= output_len:
+            raise ValueError(f"output_len {output_len} leaves no room for a prompt in max_model_len {llm.max_model_len}")
+        lens = sorted({min(n, llm.max_model_len - output_len) for n in input_lens})
+        prompts = {n: token_prompts(llm.tokenizer, iters + 1, n, n, seed + n) for n in lens}
+        ready, model_dir, pad_id, threads = llm.client.ready, llm.model_dir, llm.tokenizer.pad_token_id, llm.config.num_threads
+        out: dict = {"config": {"model": model_dir, "dtype": ready.dtype, "device": ready.device, "input_lens": lens,
+                                "output_len": output_len, "iters": iters, "seed": seed},
+                     "kiln": asyncio.run(bench_kiln(llm, prompts, output_len))}
+    finally:
+        llm.shutdown()
+    use_engine_threads(ready.device, threads)
+    out["weight_bytes"] = weight_bytes(model_dir, ready.dtype)
+    out["copy_bandwidth_GBps"] = copy_bandwidth(device=ready.device) / 1e9
+    out["roofline_tok_s"] = out["copy_bandwidth_GBps"] * 1e9 / out["weight_bytes"]
+    if compare:
+        hf = load_transformers(model_dir, ready.dtype, ready.device, threads)
+        out["transformers"] = bench_transformers(hf, prompts, output_len, pad_id if pad_id is not None else 0)
+    return out
+
+
+def format_report(r: dict) -> str:
+    c, roof = r["config"], r["roofline_tok_s"]
+    rows = [f"latency: batch 1, {c['output_len']} output tokens, {c['iters']} timed requests per prompt length "
+            f"(after one warm-up); {c['model']} {c['dtype']} on {c['device']}",
+            f"copy bandwidth {r['copy_bandwidth_GBps']:.1f} GB/s, weights {r['weight_bytes'] / 2**30:.2f} GiB "
+            f"-> decode roofline {roof:.1f} tok/s",
+            "| prompt tokens | engine | TTFT ms mean | TTFT ms median | decode tok/s mean | decode tok/s median "
+            "| % of roofline |", "|---|---|---|---|---|---|---|"]
+    for n in c["input_lens"]:
+        for engine in ("kiln", "transformers"):
+            if engine in r:
+                d = r[engine][n]
+                rows.append(f"| {n} | {engine} | {d['ttft_ms_mean']:.1f} | {d['ttft_ms_median']:.1f} "
+                            f"| {d['decode_tok_s_mean']:.1f} | {d['decode_tok_s_median']:.1f} "
+                            f"| {100 * d['decode_tok_s_median'] / roof:.0f}% |")
+        if "transformers" in r:
+            k, t = r["kiln"][n], r["transformers"][n]
+            rows.append(f"| {n} | kiln speedup | | {t['ttft_ms_median'] / k['ttft_ms_median']:.2f}x | "
+                        f"| {k['decode_tok_s_median'] / t['decode_tok_s_median']:.2f}x | |")
+    return "\n".join(rows)

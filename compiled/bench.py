@@ -70,7 +70,13 @@ def bench_kiln(config: EngineConfig, batches: list[int], context: int, steps: in
     runner.initialize_kv_cache(max(batches) * per_seq + cdiv(prefill_len, config.block_size) + 2)
     start = time.perf_counter()
     runner.warmup()
-    result = {"warmup_s": time.perf_counter() - start, "decode_tok_s": {}, "weight_bytes": runner.weight_bytes}
+    return {"warmup_s": time.perf_counter() - start, **time_runner(runner, batches, context, steps, prefill_len)}
+
+
+def time_runner(runner: ModelRunner, batches: list[int], context: int, steps: int, prefill_len: int) -> dict:
+    """Decode tokens/s per batch size and prefill tokens/s of a runner whose KV cache holds the largest batch
+    at `context` plus one prompt of `prefill_len`."""
+    result: dict = {"decode_tok_s": {}, "weight_bytes": runner.weight_bytes}
     for b in batches:
         batch = _Batch(runner, b, context, first_block=1)
         batch.step()  # first step at this size: settle caches
@@ -78,7 +84,7 @@ def bench_kiln(config: EngineConfig, batches: list[int], context: int, steps: in
         result["decode_tok_s"][b] = b * steps / elapsed
         batch.finish()
     prompt = torch.randint(0, runner.vocab_size, (prefill_len,)).tolist()
-    blocks = list(range(runner.num_blocks - cdiv(prefill_len, config.block_size) - 1, runner.num_blocks - 1))
+    blocks = list(range(runner.num_blocks - cdiv(prefill_len, runner.block_size) - 1, runner.num_blocks - 1))
 
     def prefill(i: int) -> None:
         so = SchedulerOutput(new_reqs=[NewRequestData(f"p{i}", prompt, prefill_len, GREEDY, blocks, 0, 0)],

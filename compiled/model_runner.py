@@ -105,8 +105,11 @@ class ModelRunner:
         cold and about a second from the Inductor cache. Measured on the 2-core CPU, SmolLM2 float32
         (batch 32, context 480): per-layer 322 ms/step after 10 s of compiling; the whole model as one
         dynamic graph compiled in 90 s and ran 4 s/step; eager 592 ms/step.
-        CUDA: decode-only steps (padded to a bucket) run the whole model under mode="reduce-overhead",
-        one CUDA graph per bucket; steps with multi-token chunks use the per-layer graphs.
+        CUDA: decode-only steps (padded to a bucket) run the whole model under mode="reduce-overhead";
+        steps with multi-token chunks use the per-layer graphs. Shapes are left to automatic dynamic:
+        the first bucket compiles static, the next one compiles a graph with a symbolic batch and
+        block-table width, and CUDA-graph trees record one graph per concrete (bucket, width), so
+        neither the buckets nor the power-of-two table widths run into Dynamo's recompile limit.
         """
         # Dynamo specialises sizes 0 and 1, so inputs keep dynamic sizes at 2 or more (see
         # _prepare_inputs) except a decode of one sequence; the graphs are: decode of 1, 2 and more
@@ -117,7 +120,7 @@ class ModelRunner:
             layer.compile(dynamic=True)
         self.model.output.compile(dynamic=True)  # the LM head: one more weight stream per step
         if self.device.type == "cuda":
-            self.decode_forward = torch.compile(self.model.forward, mode="reduce-overhead", dynamic=False)
+            self.decode_forward = torch.compile(self.model.forward, mode="reduce-overhead")
 
     # ---- KV cache -------------------------------------------------------------------------------
 

@@ -119,6 +119,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = bench.run(args.model, args.dtype, batches, args.context, args.steps, args.prefill_len,
                            compare=not args.no_compare, num_threads=args.num_threads)
         print(bench.format_report(result))
+    elif args.bench == "gpu-check":
+        from compiled import gpu_check
+
+        result = gpu_check.run(args.model, args.dtype, args.device, args.max_num_seqs, args.context, args.steps)
+        print(gpu_check.format_report(result))
     elif args.bench == "throughput":
         from engine import bench_throughput
 
@@ -151,7 +156,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
-    return 0
+    return 0 if result.get("ok", True) else 1
 
 
 def add_bench_parser(sub) -> None:
@@ -176,6 +181,14 @@ def add_bench_parser(sub) -> None:
     startup.add_argument("--dtype", default="auto")
     startup.add_argument("--engine-arg", action="append", default=[],
                          help="extra `kiln generate` flag, e.g. --engine-arg=--max-num-seqs=16")
+    gpu = kinds.add_parser("gpu-check", help="on CUDA: greedy exactness, CUDA graphs per decode bucket, "
+                                             "compiled vs eager decode tok/s per bucket")
+    gpu.add_argument("--model", default=None)
+    gpu.add_argument("--dtype", default="float32")
+    gpu.add_argument("--device", default="cuda", help="cuda, or cpu to run it without CUDA graphs")
+    gpu.add_argument("--max-num-seqs", type=int, default=64)
+    gpu.add_argument("--context", type=int, default=512)
+    gpu.add_argument("--steps", type=int, default=8)
     throughput = kinds.add_parser("throughput", help="offline batch through LLM.generate: requests/s and tokens/s")
     latency = kinds.add_parser("latency", help="batch 1: time to first token and decode tok/s against the roofline")
     serve = kinds.add_parser("serve", help="load an OpenAI-compatible server: TTFT, TPOT, ITL, E2E and throughput")
@@ -209,7 +222,7 @@ def add_bench_parser(sub) -> None:
                        help="start `kiln serve MODEL` (default model if none) on a free port with the engine flags "
                             "below, run against it, then stop it")
     add_engine_args(serve)
-    for p in (sched, runner, startup, throughput, latency, serve):
+    for p in (sched, runner, startup, gpu, throughput, latency, serve):
         p.add_argument("--json", default=None, help="also write the results to this file")
     bench.set_defaults(func=cmd_bench)
 

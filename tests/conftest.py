@@ -100,17 +100,3 @@ def engine_core_children() -> list[int]:
         if "engine.core" in cmd and ppid == os.getpid():
             found.append(int(proc.name))
     return found
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy continuation of exactly n tokens: argmax over its own forward and KV cache,
-    without `generate`'s stopping rules (the engine side runs with ignore_eos)."""
-    from transformers import DynamicCache
-
-    ids, cache, out = torch.tensor([prompt]), DynamicCache(), []
-    with torch.no_grad():
-        for _ in range(n):
-            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
-            ids = logits[:, -1].argmax(-1, keepdim=True)
-            out.append(int(ids))
-    return out

@@ -99,3 +99,25 @@ def test_bench_serve_launches_a_server(endpoint, tiny_chat_model, tmp_path, caps
         assert 0 < r[m]["p50_ms"] <= r[m]["p99_ms"]
     assert r["e2e"]["mean_ms"] >= r["ttft"]["mean_ms"]
     assert "| TTFT |" in capsys.readouterr().out
+
+
+def test_gpu_check_without_a_gpu_runs_exactness_and_per_bucket_speed(tiny_chat_model, tmp_path, capsys):
+    out = tmp_path / "g.json"
+    assert main(["bench", "gpu-check", "--device", "cpu", "--model", tiny_chat_model, "--max-num-seqs", "3",
+                 "--context", "40", "--steps", "2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["ok"] and result["greedy_mismatches"] == []
+    assert set(result["compiled"]["decode_tok_s"]) == set(result["eager"]["decode_tok_s"]) == {"1", "2", "3"}
+    assert "token-exact" in capsys.readouterr().out
+
+
+def test_gpu_check_refuses_cpu_only_machine_clearly(tiny_chat_model):
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        from compiled import gpu_check
+
+        gpu_check.run(tiny_chat_model)

@@ -7,11 +7,12 @@ import time
 
 import pytest
 
+from compiled.driver import hf_greedy
 from engine.client import EngineDeadError
 from engine.llm import LLM
 from engine.output_processor import InvalidRequestError
 from engine.params import SamplingParams
-from tests.conftest import engine_core_children, hf_greedy
+from tests.conftest import engine_core_children
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 

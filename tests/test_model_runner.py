@@ -1,12 +1,11 @@
 import pytest
 import torch
 
+from compiled.driver import MiniDriver, chat_prompts, greedy_mismatches
 from compiled.model_runner import ModelRunner, decode_buckets
 from engine.config import EngineConfig
 from engine.params import SamplingParams
 from engine.scheduler_output import NewRequestData
-from tests.conftest import hf_greedy
-from tests.runner_utils import MiniDriver
 
 
 def hf_model(path):
@@ -87,15 +86,6 @@ def test_packed_step_logits_match_transformers_smollm2(smollm2_dir):
     check_packed_step(smollm2_dir, vocab=49152)
 
 
-def chat_prompts(tokenizer, n: int) -> list[list[int]]:
-    questions = ["What is the capital of France?", "Write a haiku about autumn.", "Explain gravity to a child.",
-                 "List three prime numbers.", "Why is the sky blue? Answer in detail, please.", "Hi!",
-                 "Translate 'good morning' into Spanish and German.", "What is 17 times 23?",
-                 "Tell me a short story about a dragon who learns to bake bread in a small village."]
-    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=False) for q in questions[:n]]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
 def test_greedy_generation_matches_transformers_smollm2(smollm2_dir, smollm2_hf, enforce_eager):
@@ -106,15 +96,7 @@ def test_greedy_generation_matches_transformers_smollm2(smollm2_dir, smollm2_hf,
                                       max_num_batched_tokens=64, enforce_eager=enforce_eager))
     runner.initialize_kv_cache(128)
     poison_kv_cache(runner)
-    drv = MiniDriver(runner, chunk=24)  # longer prompts prefill in several chunks
-    for i, p in enumerate(prompts):
-        drv.add(str(i), p)
-    ours = drv.generate(24)
-    for _ in range(40):  # then prompt 0 alone: decode at batch 1
-        drv.step(["0"])
-    assert drv.reqs["0"]["out"] == hf_greedy(smollm2_hf, prompts[0], 64), "prompt 0 diverged at batch 1"
-    for i, p in enumerate(prompts[1:], start=1):
-        assert ours[str(i)] == hf_greedy(smollm2_hf, p, 24), f"prompt {i} diverged"
+    assert greedy_mismatches(runner, smollm2_hf, prompts) == []
 
 
 def test_no_recompile_after_warmup(tiny_llama):

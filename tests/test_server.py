@@ -194,8 +194,8 @@ def test_greedy_is_token_exact_with_transformers(http):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from compiled.driver import hf_greedy
     from compiled.loader import resolve_model
-    from tests.conftest import hf_greedy
 
     prompt, n = "The quick brown fox", 24
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0,

@@ -1,0 +1,115 @@
+"""Driving a ModelRunner without the engine: a minimal stand-in for the scheduler, and the greedy
+check against transformers that the runner tests and `kiln bench gpu-check` share."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.params import SamplingParams
+from engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+
+class MiniDriver:
+    """Sequential block allocation, prefill in chunks of at most `chunk` tokens, then decode."""
+
+    def __init__(self, runner, chunk: int = 1 << 30) -> None:
+        self.runner, self.chunk, self.next_block = runner, chunk, 1
+        self.reqs: dict[str, dict] = {}
+
+    def add(self, rid: str, prompt: list[int], params: SamplingParams | None = None, seed: int = 0) -> None:
+        self.reqs[rid] = dict(tokens=list(prompt), n_prompt=len(prompt), computed=0, blocks=[], new=True,
+                              params=params or SamplingParams(temperature=0.0, max_tokens=1 << 20), seed=seed,
+                              out=[])
+
+    def _ensure_blocks(self, r: dict, upto: int) -> list[int]:
+        bs = self.runner.block_size
+        new = []
+        while len(r["blocks"]) * bs < upto:
+            new.append(self.next_block)
+            r["blocks"].append(self.next_block)
+            self.next_block += 1
+        return new
+
+    def step(self, rids: list[str] | None = None) -> dict[str, list[int]]:
+        so = self.build(rids)
+        return self.apply(so, self.runner.execute_model(so))
+
+    def build(self, rids: list[str] | None = None) -> SchedulerOutput:
+        so = SchedulerOutput()
+        for rid in rids or list(self.reqs):
+            r = self.reqs[rid]
+            n = min(len(r["tokens"]) - r["computed"], self.chunk)
+            new_blocks = self._ensure_blocks(r, r["computed"] + n)
+            if r["new"]:
+                so.new_reqs.append(NewRequestData(rid, list(r["tokens"]), r["n_prompt"], r["params"],
+                                                  list(r["blocks"]), r["computed"], r["seed"]))
+                r["new"] = False
+            else:
+                so.cached_reqs.append(CachedRequestData(rid, new_blocks, r["computed"]))
+            so.num_scheduled_tokens[rid] = n
+            so.total_num_scheduled_tokens += n
+        return so
+
+    def apply(self, so: SchedulerOutput, out) -> dict[str, list[int]]:
+        result = {}
+        for rid, toks in zip(out.req_ids, out.sampled_token_ids):
+            r = self.reqs[rid]
+            r["computed"] += so.num_scheduled_tokens[rid]
+            r["tokens"] += toks
+            r["out"] += toks
+            result[rid] = toks
+        return result
+
+    def finish(self) -> None:
+        """Release every request's runner state (its block-table row)."""
+        self.runner.execute_model(SchedulerOutput(finished_req_ids=set(self.reqs)))
+        self.reqs.clear()
+
+    def generate(self, max_new: int) -> dict[str, list[int]]:
+        while any(len(r["out"]) < max_new for r in self.reqs.values()):
+            self.step([rid for rid, r in self.reqs.items() if len(r["out"]) < max_new])
+        return {rid: r["out"][:max_new] for rid, r in self.reqs.items()}
+
+
+def chat_prompts(tokenizer, n: int) -> list[list[int]]:
+    """Up to nine chat-templated questions of different lengths, as token ids."""
+    questions = ["What is the capital of France?", "Write a haiku about autumn.", "Explain gravity to a child.",
+                 "List three prime numbers.", "Why is the sky blue? Answer in detail, please.", "Hi!",
+                 "Translate 'good morning' into Spanish and German.", "What is 17 times 23?",
+                 "Tell me a short story about a dragon who learns to bake bread in a small village."]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False) for q in questions[:n]]
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of exactly n tokens: argmax over its own forward and KV cache,
+    without `generate`'s stopping rules (the engine side runs with ignore_eos)."""
+    from transformers import DynamicCache
+
+    ids, cache, out = torch.tensor([prompt], device=model.device), DynamicCache(), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+            ids = logits[:, -1].argmax(-1, keepdim=True)
+            out.append(int(ids))
+    return out
+
+
+def greedy_mismatches(runner, hf_model, prompts: list[list[int]], batch_tokens: int = 24, tail_tokens: int = 64,
+                      chunk: int = 24) -> list[str]:
+    """Generate greedily for all prompts together (longer prompts prefill in chunks beside running decodes),
+    then continue prompt 0 alone (decode at batch 1), and compare each with transformers token by token.
+    Returns what diverged; empty when everything is token-exact."""
+    drv = MiniDriver(runner, chunk=chunk)
+    for i, p in enumerate(prompts):
+        drv.add(str(i), p)
+    ours = drv.generate(batch_tokens)
+    for _ in range(tail_tokens - batch_tokens):
+        drv.step(["0"])
+    tail = drv.reqs["0"]["out"]
+    drv.finish()
+    bad = []
+    if tail != hf_greedy(hf_model, prompts[0], tail_tokens):
+        bad.append("prompt 0 (batch 1 tail)")
+    bad += [f"prompt {i}" for i, p in enumerate(prompts[1:], start=1) if ours[str(i)] != hf_greedy(hf_model, p, batch_tokens)]
+    return bad

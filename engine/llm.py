@@ -176,7 +176,8 @@ class AsyncLLM(_FrontEnd):
     client: AsyncCoreClient
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        super().__init__(model, AsyncCoreClient, engine_args)
+        # Streams are read as they are generated: defaults favour smooth inter-token latency.
+        super().__init__(model, AsyncCoreClient, {"usage": "serving", **engine_args})
         self.queues: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
 

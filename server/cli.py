@@ -17,7 +17,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=d.device, help="auto, cpu or cuda")
     g.add_argument("--max-model-len", type=int, default=d.max_model_len)
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step (default: serving 128 on CPU, 2048 on CUDA; offline 1024 on CPU, 8192 on "
+                        "CUDA; 8192 without chunked prefill)")
     g.add_argument("--block-size", type=int, default=d.block_size)
     g.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory, help="bytes for the KV cache")
     g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)

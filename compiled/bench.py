@@ -76,6 +76,12 @@ def bench_kiln(config: EngineConfig, batches: list[int], context: int, steps: in
 def time_runner(runner: ModelRunner, batches: list[int], context: int, steps: int, prefill_len: int) -> dict:
     """Decode tokens/s per batch size and prefill tokens/s of a runner whose KV cache holds the largest batch
     at `context` plus one prompt of `prefill_len`."""
+    # The synthetic context reads slots no step wrote. Serving reads only written slots, or fresh pages
+    # (zeros); here they would hold whatever the allocator left, and denormal garbage slows float math
+    # many times over.
+    for layer in runner.model.layers:
+        layer.attention.k_cache.zero_()
+        layer.attention.v_cache.zero_()
     result: dict = {"decode_tok_s": {}, "weight_bytes": runner.weight_bytes}
     for b in batches:
         batch = _Batch(runner, b, context, first_block=1)

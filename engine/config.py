@@ -15,13 +15,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     block_size: int = 16
     max_num_seqs: int = 64
-    # Tokens one step may compute. None: picked by `usage` and device. Serving on CPU: 128, since a step
-    # computes ~500 tokens/s and a longer prefill chunk stalls every running stream's next token (16
-    # streams: inter-token p99 9.8x its median at 1024, 2.4x at 128); offline on CPU: 1024, where
-    # larger prefill chunks beside the decodes finish the batch sooner (73 vs 46 output tok/s).
-    # CUDA: 2048 serving, 8192 offline. Without chunked prefill: 8192 (a prompt must fit one step).
-    # Never fewer than max_num_seqs. Figures: BENCHMARKS.md.
+    # Tokens one step may compute. None: 1024 on CPU (a step computes ~500 tokens/s), 8192 on CUDA;
+    # without chunked prefill 8192 (a prompt must fit one step); never fewer than max_num_seqs.
     max_num_batched_tokens: int | None = None
+    # ... and a step that carries decodes. None: for serving on CPU 128, so a new prompt holds running
+    # streams' next tokens for a fraction of a second (16 streams: inter-token p99 9.8x its median at
+    # 1024, 2.4x at 128, BENCHMARKS.md), while a lone prompt still prefills in 1024-token steps; 2048
+    # for serving on CUDA; offline no extra limit (larger chunks beside decodes finish a batch sooner).
+    max_num_batched_tokens_decoding: int | None = None
     usage: str = "offline"  # offline (LLM) | serving (AsyncLLM, kiln serve): which defaults apply
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -37,10 +38,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
-            serving = self.usage == "serving"
-            budget = 8192 if not self.enable_chunked_prefill else (2048 if serving else 8192) if self.on_cuda() \
-                else (128 if serving else 1024)
+            budget = 1024 if self.enable_chunked_prefill and not self.on_cuda() else 8192
             self.max_num_batched_tokens = max(budget, self.max_num_seqs)  # room for every sequence's decode
+        if self.max_num_batched_tokens_decoding is None:
+            serving = self.usage == "serving" and self.enable_chunked_prefill
+            self.max_num_batched_tokens_decoding = (2048 if self.on_cuda() else 128) if serving else 0
         checks = [
             (self.block_size in (8, 16, 32, 64, 128), "block_size", "must be one of 8, 16, 32, 64, 128"),
             (self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1"),

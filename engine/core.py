@@ -63,7 +63,8 @@ class EngineCore:
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
             max_model_len=self.runner.max_model_len, block_size=c.block_size, num_blocks=num_blocks,
             enable_prefix_caching=c.enable_prefix_caching, enable_chunked_prefill=c.enable_chunked_prefill,
-            long_prefill_token_threshold=c.long_prefill_token_threshold))
+            long_prefill_token_threshold=c.long_prefill_token_threshold,
+            max_num_batched_tokens_decoding=c.max_num_batched_tokens_decoding))
         self.scheduled_time: dict[str, float] = {}
         self._tokens = [0, 0]  # prompt, generation tokens since the last stats line
         self._last_stats = time.monotonic()

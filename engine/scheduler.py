@@ -36,10 +36,15 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0: a prefill chunk is limited by the budget only
+    # A step that carries decodes computes at most this many tokens (0: max_num_batched_tokens), so a
+    # prefill never holds running streams' next tokens for long; a step with nobody decoding may use
+    # the whole budget, which is what a lone prompt's time to first token needs.
+    max_num_batched_tokens_decoding: int = 0
 
     def __post_init__(self) -> None:
         lows = {"max_model_len": 2, "num_blocks": 2, "max_num_seqs": 1, "max_num_batched_tokens": 1,
-                "block_size": 1, "long_prefill_token_threshold": 0}  # fmt: skip
+                "block_size": 1, "long_prefill_token_threshold": 0,
+                "max_num_batched_tokens_decoding": 0}  # fmt: skip
         for name, low in lows.items():
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
@@ -165,6 +170,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         cfg, kv = self.config, self.kv_cache_manager
         budget = cfg.max_num_batched_tokens
+        if cfg.max_num_batched_tokens_decoding and any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
+            budget = min(budget, max(cfg.max_num_batched_tokens_decoding, len(self.running)))
+        full_budget = budget
         threshold = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
@@ -236,7 +244,7 @@ class Scheduler:
             req.num_computed_tokens = num_hit + n
             budget -= n
 
-        out.total_num_scheduled_tokens = cfg.max_num_batched_tokens - budget
+        out.total_num_scheduled_tokens = full_budget - budget
         return out
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:

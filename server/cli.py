@@ -18,8 +18,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=d.max_model_len)
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per step (default: serving 128 on CPU, 2048 on CUDA; offline 1024 on CPU, 8192 on "
-                        "CUDA; 8192 without chunked prefill)")
+                   help="tokens per step (default: 1024 on CPU, 8192 on CUDA or without chunked prefill)")
+    g.add_argument("--max-num-batched-tokens-decoding", type=int, default=None,
+                   help="tokens per step while requests decode (default: 128 when serving on CPU, else no limit)")
     g.add_argument("--block-size", type=int, default=d.block_size)
     g.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory, help="bytes for the KV cache")
     g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
@@ -32,7 +33,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_args(args: argparse.Namespace) -> dict:
-    names = ["dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+    names = ["dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+             "max_num_batched_tokens_decoding", "block_size",
              "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching", "enable_chunked_prefill",
              "long_prefill_token_threshold", "enforce_eager", "tensor_parallel_size", "num_threads"]
     return {n: getattr(args, n) for n in names}

@@ -98,6 +98,29 @@ def test_budget_is_split_over_waiting_requests_fcfs():
     assert out.total_num_scheduled_tokens == 9
 
 
+def test_steps_that_carry_decodes_are_capped_and_a_lone_prefill_is_not():
+    s = make(max_num_batched_tokens=40, max_num_batched_tokens_decoding=8)
+    add(s, "a", 30)
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"a": 30}  # nobody decodes yet: the whole budget
+    add(s, "b", 30)
+    sizes = []
+    while s.requests["b"].num_computed_tokens < 30:
+        out, _ = step(s)
+        assert out.num_scheduled_tokens["a"] == 1 and out.total_num_scheduled_tokens <= 8
+        sizes.append(out.num_scheduled_tokens.get("b", 0))
+    assert sizes == [7, 7, 7, 7, 2]  # b's prompt in chunks beside a's decodes
+
+
+def test_decoding_cap_never_starves_running_decodes():
+    s = make(max_num_batched_tokens=64, max_num_batched_tokens_decoding=2, max_num_seqs=4)
+    for rid in "abcd":
+        add(s, rid, 3)
+    step(s)
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == dict.fromkeys("abcd", 1)
+
+
 def test_long_prefill_token_threshold_caps_chunks():
     s = make(long_prefill_token_threshold=4)
     add(s, "a", 10)

@@ -51,7 +51,6 @@ class _Batch:
             so.num_scheduled_tokens[rid] = 1
         so.total_num_scheduled_tokens = batch
         runner.execute_model(so)
-        self.blocks_used = batch * per_seq
 
     def step(self) -> None:
         so = SchedulerOutput(cached_reqs=[CachedRequestData(r, [], self.pos[r] + 1) for r in self.ids],
@@ -64,10 +63,14 @@ class _Batch:
         self.runner.execute_model(SchedulerOutput(finished_req_ids=set(self.ids)))
 
 
+def bench_kv_blocks(block_size: int, batch: int, context: int, prefill_len: int) -> int:
+    """KV blocks for `time_runner`: `batch` sequences at `context` plus one prompt, and the null block."""
+    return batch * cdiv(context + 64, block_size) + cdiv(prefill_len, block_size) + 2
+
+
 def bench_kiln(config: EngineConfig, batches: list[int], context: int, steps: int, prefill_len: int) -> dict:
     runner = ModelRunner(config)
-    per_seq = cdiv(context + 64, config.block_size)
-    runner.initialize_kv_cache(max(batches) * per_seq + cdiv(prefill_len, config.block_size) + 2)
+    runner.initialize_kv_cache(bench_kv_blocks(config.block_size, max(batches), context, prefill_len))
     start = time.perf_counter()
     runner.warmup()
     return {"warmup_s": time.perf_counter() - start, **time_runner(runner, batches, context, steps, prefill_len)}

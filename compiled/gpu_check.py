@@ -59,7 +59,7 @@ def run(model: str | None = None, dtype: str = "float32", device: str = "cuda", 
                   max_model_len=context + 64 + 1, max_num_batched_tokens=64)
     for name, eager in (("compiled", False), ("eager", True)):
         runner = ModelRunner(EngineConfig(**common, enforce_eager=eager))
-        runner.initialize_kv_cache(max_num_seqs * -(-(context + 64) // runner.block_size) + context // 16 + 4)
+        runner.initialize_kv_cache(bench.bench_kv_blocks(runner.block_size, max_num_seqs, context, context))
         start = time.perf_counter()
         runner.warmup()
         warmup_s = time.perf_counter() - start

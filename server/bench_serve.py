@@ -120,15 +120,17 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def launch(model: str | None, serve_flags: list[str], timeout: float = 900.0) -> Iterator[str]:
-    """`kiln serve` on a free local port for the duration of the block; yields its base URL once /health answers."""
+def launch(model: str | None, serve_flags: list[str], timeout: float = 900.0, log: Path | None = None,
+           env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`kiln serve` on a free local port for the duration of the block; yields its base URL and process once
+    /health answers. Its output goes to `log` (default: a temporary file) and is quoted if it fails to start."""
     httpx = _httpx()
     port = _free_port()
     cmd = [sys.executable, "-m", "server", *([model] if model else []), "--port", str(port), *serve_flags]
     with tempfile.TemporaryDirectory(prefix="kiln-bench-serve-") as tmp:
-        log = Path(tmp) / "server.log"
+        log = log or Path(tmp) / "server.log"
         with open(log, "wb") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + timeout
@@ -140,9 +142,10 @@ def launch(model: str | None, serve_flags: list[str], timeout: float = 900.0) ->
                     if httpx.get(url + "/health", timeout=2).status_code == 200:
                         break
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"kiln serve not ready after {timeout:.0f} s")
+                    raise RuntimeError(f"kiln serve not ready after {timeout:.0f} s:\n"
+                                       f"{log.read_text(errors='replace')[-3000:]}")
                 time.sleep(0.5)
-            yield url
+            yield url, proc
         finally:
             proc.send_signal(signal.SIGTERM)
             try:

@@ -154,7 +154,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             result = serve_run(args.base_url)
         else:
             flags = engine_flags(args) + (["--api-key", args.api_key] if args.api_key else [])
-            with bench_serve.launch(args.launch or None, flags) as url:
+            with bench_serve.launch(args.launch or None, flags) as (url, _):
                 result = serve_run(url)
         print(bench_serve.format_report(result))
     if args.json:

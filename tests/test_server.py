@@ -13,9 +13,7 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,7 +23,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.test_server_app import ROUTES, assert_error, check_response
+from server.bench_serve import launch
+from tests.test_server_app import METRIC_NAMES, ROUTES, assert_error, check_response
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +36,6 @@ SERVER_ARGS = ["--dtype", "float32", "--max-num-seqs", "16", "--kv-cache-memory"
                "--max-model-len", "2048", "--api-key", KEY, "--max-request-body-bytes", str(BODY_LIMIT)]
 if os.environ.get("KILN_TEST_SERVER_COMPILED") != "1":
     SERVER_ARGS.append("--enforce-eager")
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class LiveServer:
@@ -48,42 +46,13 @@ class LiveServer:
         return self.log.read_text(errors="replace")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     env = {k: v for k, v in os.environ.items() if k != "KILN_API_KEY"}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "server", "--port", str(port), *SERVER_ARGS], cwd=ROOT,
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-    live = LiveServer(f"http://127.0.0.1:{port}", log, proc)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{live.log_text()[-3000:]}")
-            try:
-                if httpx.get(live.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not ready after 300 s:\n{live.log_text()[-3000:]}")
-            time.sleep(0.5)
+    with launch(None, SERVER_ARGS, timeout=300, log=log, env=env) as (url, proc):
+        live = LiveServer(url, log, proc)
         yield live
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
     assert "Traceback" not in live.log_text(), live.log_text()[-5000:]
 
 
@@ -277,11 +246,7 @@ def test_metrics_and_access_log(server, http):
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 4,
                                            "ignore_eos": True}).json()
     text = http.get("/metrics").text
-    for name in ("kiln:request_success_total", "kiln:prompt_tokens_total", "kiln:generation_tokens_total",
-                 "kiln:num_requests_running", "kiln:num_requests_waiting", "kiln:kv_cache_usage_perc",
-                 "kiln:prefix_cache_queries_total", "kiln:prefix_cache_hits_total", "kiln:num_preemptions_total",
-                 "kiln:time_to_first_token_seconds_bucket", "kiln:inter_token_latency_seconds_bucket",
-                 "kiln:e2e_request_latency_seconds_bucket", "kiln:request_queue_time_seconds_bucket"):
+    for name in METRIC_NAMES:
         assert re.search(rf"^{re.escape(name)}\{{", text, re.M), name
     generated = float(re.search(r"^kiln:generation_tokens_total\{[^}]*\} (\S+)$", text, re.M).group(1))
     assert generated >= 4

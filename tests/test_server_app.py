@@ -228,6 +228,13 @@ def test_chat_stream_role_first_finish_last_usage_only_when_asked(client):
     assert all("usage" not in ch for ch in chunks[:-1])
 
 
+METRIC_NAMES = ("kiln:request_success_total", "kiln:prompt_tokens_total", "kiln:generation_tokens_total",
+                "kiln:num_requests_running", "kiln:num_requests_waiting", "kiln:kv_cache_usage_perc",
+                "kiln:prefix_cache_queries_total", "kiln:prefix_cache_hits_total", "kiln:num_preemptions_total",
+                "kiln:time_to_first_token_seconds_bucket", "kiln:inter_token_latency_seconds_bucket",
+                "kiln:e2e_request_latency_seconds_bucket", "kiln:request_queue_time_seconds_bucket")
+
+
 def test_tokenize_detokenize_models_version_metrics(client):
     assert client.post("/tokenize", json={"prompt": "hi"}).json() == {"count": 2, "max_model_len": 64, "tokens": [104, 105]}
     r = client.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}]}).json()
@@ -237,11 +244,7 @@ def test_tokenize_detokenize_models_version_metrics(client):
     assert client.get("/version").json()["version"]
     client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     text = client.get("/metrics").text
-    for name in ("kiln:request_success_total", "kiln:prompt_tokens_total", "kiln:generation_tokens_total",
-                 "kiln:num_requests_running", "kiln:num_requests_waiting", "kiln:kv_cache_usage_perc",
-                 "kiln:prefix_cache_queries_total", "kiln:prefix_cache_hits_total", "kiln:num_preemptions_total",
-                 "kiln:time_to_first_token_seconds_bucket", "kiln:inter_token_latency_seconds_bucket",
-                 "kiln:e2e_request_latency_seconds_bucket", "kiln:request_queue_time_seconds_bucket"):
+    for name in METRIC_NAMES:
         assert name in text, name
     assert 'kiln:generation_tokens_total{model_name="fake-model"} 2.0' in text
     assert 'kiln:prefix_cache_hits_total{model_name="fake-model"} 4.0' in text

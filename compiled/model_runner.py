@@ -24,6 +24,9 @@ from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 logger = logging.getLogger("kiln.runner")
 
 
+WARMUP_CHUNK = 64  # tokens of the multi-token chunks the warm-up runs
+
+
 def cdiv(a: int, b: int) -> int:
     return -(a // -b)
 
@@ -113,8 +116,9 @@ class ModelRunner:
         """
         # Dynamo specialises sizes 0 and 1, so inputs keep dynamic sizes at 2 or more (see
         # _prepare_inputs) except a decode of one sequence; the graphs are: decode of 1, 2 and more
-        # sequences (Linear streams weights differently for 1-2 rows), chunks only (1 or more
-        # chunks), and both. Sizes that happen to be equal when traced must not be assumed equal.
+        # sequences (Linear streams weights differently for 1-2 rows), and steps with chunks (one
+        # chunk, or more). Each graph costs ~5 s cold and ~1 s warm, so the count is kept low.
+        # Sizes that happen to be equal when traced must not be assumed equal.
         torch.fx.experimental._config.use_duck_shape = False
         for layer in self.model.layers:
             layer.compile(dynamic=True)
@@ -179,8 +183,10 @@ class ModelRunner:
         if self.config.enforce_eager:
             return
         start = time.perf_counter()
-        chunk = min(self.config.max_num_batched_tokens, self.max_model_len - 1) // 2
-        shapes = [(b, []) for b in self.buckets] + [(0, [chunk]), (0, [chunk, 2]), (1, [chunk]), (1, [chunk, 2])]
+        # Graphs are dynamic in the token count, so a short chunk compiles the same graph as a long
+        # one and does not spend seconds computing it.
+        chunk = min(WARMUP_CHUNK, self.max_model_len - 1)
+        shapes = [(b, []) for b in self.buckets] + [(0, [chunk]), (0, [chunk, 2])]
         for num_single, chunk_lens in shapes:
             t = time.perf_counter()
             self._dummy_step(num_single, chunk_lens)
@@ -252,8 +258,11 @@ class ModelRunner:
 
     def _prepare_inputs(self, singles, chunks, num_scheduled):
         bs = self.block_size
-        # Batch 1 is its own graph (sizes of 1 are specialised) only where it pays: decode alone.
-        n_pad = _bucket(max(len(singles), 1 if not chunks else 2), self.buckets) - len(singles) if singles else 0
+        # Batch 1 is its own graph (sizes of 1 are specialised) only where it pays: decode alone. A
+        # step with chunks always carries at least two decode rows (padding ones cost a 32-key
+        # attention each), so chunk-only and mixed steps share graphs.
+        n_dec = _bucket(len(singles), self.buckets) if singles else 0
+        n_pad = (max(n_dec, 2) if chunks else n_dec) - len(singles)
         rows: list[int] = []
         positions: list[int] = []
         token_ids: list[int] = []

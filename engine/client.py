@@ -46,7 +46,8 @@ class EngineDeadError(RuntimeError):
 class CoreClient:
     """Starts the core process and owns the two sockets; subclasses add sync or async receiving."""
 
-    def __init__(self, config: EngineConfig, model_dir: str, startup_timeout: float = 1800.0) -> None:
+    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+        """Start the core process and return at once; `wait_ready` waits for its warm-up."""
         self.ipc_dir = tempfile.mkdtemp(prefix="kiln-")
         in_addr, out_addr = f"ipc://{self.ipc_dir}/in", f"ipc://{self.ipc_dir}/out"
         self.ctx = zmq.Context()
@@ -59,7 +60,7 @@ class CoreClient:
         self.dead: str | None = None
         self.proc = subprocess.Popen([sys.executable, "-m", "engine.core", in_addr, out_addr], stdin=subprocess.DEVNULL)
         self.send(StartCore(config, model_dir))
-        self.ready = self._wait_ready(startup_timeout)
+        self.ready: CoreReady | None = None
         self._call_ids = itertools.count()
 
     def send(self, msg) -> None:
@@ -67,12 +68,13 @@ class CoreClient:
             raise EngineDeadError(self.dead)
         self.input.send(self.encoder.encode(msg), copy=False)
 
-    def _wait_ready(self, timeout: float) -> CoreReady:
+    def wait_ready(self, timeout: float = 1800.0) -> CoreReady:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.output.poll(POLL_MS):
                 msg = self.decoder.decode(self.output.recv())
                 if isinstance(msg, CoreReady):
+                    self.ready = msg
                     return msg
                 if isinstance(msg, CoreFailed):
                     self._mark_dead(msg.message)

@@ -43,9 +43,14 @@ class _FrontEnd:
         self.config = EngineConfig(model=model, **engine_args)
         self.model_dir = resolve_model(model)
         self.model_name = self.config.served_model_name or (model or DEFAULT_MODEL_NAME)
-        self.tokenizer = load_tokenizer(self.model_dir)
+        # The core starts first: its imports, weight load and warm-up overlap the tokenizer's load here.
         self.client = client_cls(self.config, self.model_dir)
-        ready = self.client.ready
+        try:
+            self.tokenizer = load_tokenizer(self.model_dir)
+            ready = self.client.wait_ready()
+        except BaseException:
+            self.client.shutdown()
+            raise
         self.max_model_len = ready.max_model_len
         self.processor = Processor(self.tokenizer, ready.max_model_len, _eos_token_ids(self.model_dir, self.tokenizer))
         self.output_processor = OutputProcessor(self.tokenizer)

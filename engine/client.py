@@ -46,8 +46,9 @@ class EngineDeadError(RuntimeError):
 class CoreClient:
     """Starts the core process and owns the two sockets; subclasses add sync or async receiving."""
 
-    def __init__(self, config: EngineConfig, model_dir: str) -> None:
-        """Start the core process and return at once; `wait_ready` waits for its warm-up."""
+    def __init__(self) -> None:
+        """Start the core process and return at once: it imports torch while we get the model ready.
+        Then `start` sends it the model and `wait_ready` waits for its warm-up."""
         self.ipc_dir = tempfile.mkdtemp(prefix="kiln-")
         in_addr, out_addr = f"ipc://{self.ipc_dir}/in", f"ipc://{self.ipc_dir}/out"
         self.ctx = zmq.Context()
@@ -59,9 +60,11 @@ class CoreClient:
         self.decoder = msgspec.msgpack.Decoder(CoreOutput)
         self.dead: str | None = None
         self.proc = subprocess.Popen([sys.executable, "-m", "engine.core", in_addr, out_addr], stdin=subprocess.DEVNULL)
-        self.send(StartCore(config, model_dir))
         self.ready: CoreReady | None = None
         self._call_ids = itertools.count()
+
+    def start(self, config: EngineConfig, model_dir: str) -> None:
+        self.send(StartCore(config, model_dir))
 
     def send(self, msg) -> None:
         if self.dead:
@@ -104,6 +107,9 @@ class CoreClient:
 
     def shutdown(self) -> None:
         """Stop the core process and release the sockets; safe to call more than once."""
+        if self.proc.poll() is None and self.ready is None:  # still starting: nothing to finish cleanly
+            self.proc.kill()
+            self.proc.wait()
         if self.proc.poll() is None:
             try:
                 self.input.send(self.encoder.encode(Shutdown()), flags=zmq.NOBLOCK)

@@ -143,10 +143,11 @@ class EngineCoreProc:
         self.output.send(self.encoder.encode(msg), copy=False)
 
     def run(self) -> None:
-        start = self.decoder.decode(self.input.recv())
-        if not isinstance(start, StartCore):
-            raise RuntimeError(f"expected StartCore first, got {type(start).__name__}")
         try:
+            _import_model_side()
+            start = self.decoder.decode(self.input.recv())
+            if not isinstance(start, StartCore):
+                raise RuntimeError(f"expected StartCore first, got {type(start).__name__}")
             self.core = EngineCore(start.config, start.model_dir)
         except Exception as e:
             logger.exception("engine core failed to start")
@@ -199,6 +200,16 @@ class EngineCoreProc:
             return UtilityResult(call.call_id, getattr(self.core, call.method)(*call.args))
         except Exception as e:  # a failed utility call must not take the engine down
             return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
+
+
+def _import_model_side() -> None:
+    """Import what EngineCore needs before StartCore arrives: ~4 s of imports (torch, Dynamo and
+    Inductor, transformers' configs) then overlap the front end's own start instead of following it."""
+    import torch._dynamo
+    import torch._inductor.compile_fx  # noqa: F401  (what torch.compile imports on first use)
+    from transformers import AutoConfig  # noqa: F401
+
+    import compiled.model_runner  # noqa: F401
 
 
 def _die_with_parent() -> None:

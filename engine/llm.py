@@ -34,18 +34,20 @@ class _FrontEnd:
     client: CoreClient
 
     def __init__(self, model: str | None, client_cls: type[CoreClient], engine_args: dict[str, Any]) -> None:
-        import torch
-
-        # The engine core owns the cores; this process only tokenizes and waits.
-        torch.set_num_threads(1)
-        from compiled.loader import DEFAULT_MODEL_NAME, load_tokenizer, resolve_model
-
         self.config = EngineConfig(model=model, **engine_args)
-        self.model_dir = resolve_model(model)
-        self.model_name = self.config.served_model_name or (model or DEFAULT_MODEL_NAME)
-        # The core starts first: its imports, weight load and warm-up overlap the tokenizer's load here.
-        self.client = client_cls(self.config, self.model_dir)
+        # The core process starts first: its imports, weight load and warm-up overlap our own imports,
+        # the model's resolution and the tokenizer's load.
+        self.client = client_cls()
         try:
+            import torch
+
+            # The engine core owns the cores; this process only tokenizes and waits.
+            torch.set_num_threads(1)
+            from compiled.loader import DEFAULT_MODEL_NAME, load_tokenizer, resolve_model
+
+            self.model_dir = resolve_model(model)
+            self.client.start(self.config, self.model_dir)
+            self.model_name = self.config.served_model_name or (model or DEFAULT_MODEL_NAME)
             self.tokenizer = load_tokenizer(self.model_dir)
             ready = self.client.wait_ready()
         except BaseException:

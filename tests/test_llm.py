@@ -4,6 +4,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -169,3 +170,24 @@ def test_killed_engine_core_fails_pending_requests_quickly(tiny_chat_model):
         engine.generate("again", use_tqdm=False)
     engine.shutdown()
     assert pid not in engine_core_children()
+
+
+def test_missing_model_is_a_clear_error_and_leaves_no_engine_core(tmp_path):
+    # The core process starts before the model is resolved; a model that does not resolve must stop it.
+    before = set(engine_core_children())  # other tests' engines may still be running
+    with pytest.raises(FileNotFoundError, match="neither a directory nor a file"):
+        LLM(str(tmp_path / "no-such-model"), enforce_eager=True)
+    assert set(engine_core_children()) <= before
+
+
+def test_engine_core_failing_to_start_is_reported(tmp_path, tiny_chat_model):
+    # A directory that resolves (it has a config.json) but holds no weights fails inside the core.
+    before = set(engine_core_children())
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in Path(tiny_chat_model).iterdir():
+        if f.suffix != ".safetensors":
+            (broken / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(EngineDeadError, match=r"failed to start.*safetensors"):
+        LLM(str(broken), enforce_eager=True, num_kv_blocks=16)
+    assert set(engine_core_children()) <= before

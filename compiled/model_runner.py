@@ -186,13 +186,16 @@ class ModelRunner:
         # Graphs are dynamic in the token count, so a short chunk compiles the same graph as a long
         # one and does not spend seconds computing it.
         chunk = min(WARMUP_CHUNK, self.max_model_len - 1)
-        shapes = [(b, []) for b in self.buckets] + [(0, [chunk]), (0, [chunk, 2])]
+        # On CUDA every bucket records its own CUDA graph. On CPU one, two and more rows are the only
+        # distinct decode graphs, so the larger buckets would only spend time computing.
+        buckets = self.buckets if self.device.type == "cuda" else self.buckets[:3]
+        shapes = [(b, []) for b in buckets] + [(0, [chunk]), (0, [chunk, 2])]
         for num_single, chunk_lens in shapes:
             t = time.perf_counter()
             self._dummy_step(num_single, chunk_lens)
             logger.debug("warm-up step singles=%d chunks=%s: %.1f s", num_single, chunk_lens, time.perf_counter() - t)
         logger.info("compile/warm-up: %d step shapes (decode buckets %s, prefill and mixed) in %.1f s",
-                    len(shapes), self.buckets, time.perf_counter() - start)
+                    len(shapes), buckets, time.perf_counter() - start)
 
     def _dummy_step(self, num_single: int, chunk_lens: list[int]) -> None:
         """A step over throw-away sequences whose KV all lands in the null block."""

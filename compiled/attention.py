@@ -19,6 +19,11 @@ tokens of `P` multi-token chunks (fresh prefills, or chunks continuing after cac
   173–194 tok/s vs 131 tok/s with FlexAttention, which also took ~5× longer to compile
   (~200 s vs ~35 s) and failed to build with dynamic shapes on CPU. Eagerly the same reduction
   would materialise a [Bd, L, heads, head_dim] product, so eager mode uses matmuls instead.
+  The P·V reduction runs block by block (a page of V, 12 KiB, stays in L1 while every query
+  head of its group and every 8-wide slice of head_dim passes over it) on unnormalised
+  exponentials, then sums the per-block partials and divides once. Over all keys at once the
+  same reduction streamed each sequence's V from L2 24 times: 2 threads, batch×context 64×512,
+  5.6–5.9 → 4.1–4.4 ms; 32×512 2.9 → 2.2; 1×2048 0.43 → 0.30.
 - Multi-token chunks gather their sequence's K/V (context and the chunk itself, already written)
   into a padded [P, L] batch and run SDPA with a causal-by-position mask: prefill is compute-bound
   and SDPA's matmuls beat any reduction there; the few chunks per step keep the padding small.
@@ -68,8 +73,10 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: 
     if torch.compiler.is_compiling():
         scores = (q[:, None].float() * k[:, :, :, None].float()).sum(-1) * scale  # [B, L, Hkv, G]
         scores = scores.masked_fill(~valid[:, :, None, None], float("-inf"))
-        p = scores.softmax(dim=1)
-        out = (p[..., None] * v[:, :, :, None].float()).sum(1)  # [B, Hkv, G, D]
+        e = (scores - scores.amax(dim=1, keepdim=True)).exp()
+        W, bs = block_tables.shape[1], k_cache.shape[1]
+        blocks = e.view(B, W, bs, Hkv, -1, 1) * v.view(B, W, bs, Hkv, 1, D).float()
+        out = blocks.sum(2).sum(1) / e.sum(1)[..., None]  # [B, Hkv, G, D]
     else:
         scores = torch.einsum("bhgd,blhd->bhgl", q.float(), k.float()) * scale
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))

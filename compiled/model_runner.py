@@ -284,7 +284,10 @@ class ModelRunner:
         token_ids += [0] * n_pad
         num_dec = len(rows)
         seq_lens = [p + 1 for p in positions]
-        dec_width = max(_pow2(cdiv(max(seq_lens, default=1), bs), self.table_width), 2)
+        # Decode attention computes over every column of the table. On CPU the width is a dynamic size,
+        # so it is exact; CUDA graphs need few distinct shapes, so there it is rounded to a power of two.
+        dec_width = cdiv(max(seq_lens, default=1), bs)
+        dec_width = max(_pow2(dec_width, self.table_width) if self.device.type == "cuda" else dec_width, 2)
 
         query_index: list[list[int]] = []
         query_pos: list[list[int]] = []

@@ -2,8 +2,10 @@
 clients see: time to first token, time per output token, inter-token latency and end-to-end latency,
 with Poisson arrivals under a concurrency cap.
 
-Works against any server (kiln, vLLM, transformers serve, ...) that streams SSE and honours
-`ignore_eos`; `--launch` starts `kiln serve` for the run and stops it afterwards.
+Works against any server (kiln, vLLM, transformers serve, ...) that streams SSE. Requests carry
+`ignore_eos` so that every one produces `--output-len` tokens; `--no-ignore-eos` leaves it out for
+servers that reject it (greedy decoding keeps the workload the same across servers of one model).
+`--launch` starts `kiln serve` for the run and stops it afterwards.
 """
 
 from __future__ import annotations
@@ -162,10 +164,22 @@ def _first_model(base_url: str, headers: dict) -> str:
     return resp.json()["data"][0]["id"]
 
 
+def request_payloads(prompts: list[str], endpoint: str, model: str, output_len: int,
+                     ignore_eos: bool) -> tuple[str, list[dict]]:
+    """The path and the streamed, greedy request bodies for `prompts`."""
+    common = {"model": model, "max_tokens": output_len, "temperature": 0.0, "stream": True,
+              "stream_options": {"include_usage": True}}
+    if ignore_eos:  # an extension (kiln, vLLM); servers without it reject the field
+        common["ignore_eos"] = True
+    if endpoint == "chat":
+        return "/v1/chat/completions", [{**common, "messages": [{"role": "user", "content": p}]} for p in prompts]
+    return "/v1/completions", [{**common, "prompt": p} for p in prompts]
+
+
 def run(base_url: str = "http://127.0.0.1:8000", model: str | None = None, endpoint: str = "completions",
         num_prompts: int = 64, input_len_min: int = 32, input_len_max: int = 512, output_len: int = 128,
         dataset: str | None = None, tokenizer: str | None = None, request_rate: float = math.inf,
-        max_concurrency: int = 16, seed: int = 0, api_key: str | None = None) -> dict:
+        max_concurrency: int = 16, seed: int = 0, api_key: str | None = None, ignore_eos: bool = True) -> dict:
     """Send the prompts, streamed, and summarise. `tokenizer` (a model directory or .gguf; default the
     embedded model) turns the random token windows into text."""
     from compiled.loader import load_tokenizer, resolve_model
@@ -180,12 +194,7 @@ def run(base_url: str = "http://127.0.0.1:8000", model: str | None = None, endpo
     base_url = base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     model = model or _first_model(base_url, headers)
-    common = {"model": model, "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0, "stream": True,
-              "stream_options": {"include_usage": True}}
-    if endpoint == "chat":
-        path, payloads = "/v1/chat/completions", [{**common, "messages": [{"role": "user", "content": p}]} for p in prompts]
-    else:
-        path, payloads = "/v1/completions", [{**common, "prompt": p} for p in prompts]
+    path, payloads = request_payloads(prompts, endpoint, model, output_len, ignore_eos)
     results, duration = asyncio.run(_run_requests(base_url, path, payloads, request_rate, max_concurrency, seed, headers))
     ok = [r for r in results if r["ok"]]
     failed = [r for r in results if not r["ok"]]
@@ -196,7 +205,7 @@ def run(base_url: str = "http://127.0.0.1:8000", model: str | None = None, endpo
                    "dataset": dataset, "input_len_min": input_len_min, "input_len_max": input_len_max,
                    "output_len": output_len, "max_concurrency": max_concurrency,
                    "request_rate": request_rate if math.isfinite(request_rate) else "inf",
-                   "seed": seed},
+                   "seed": seed, "ignore_eos": ignore_eos},
         "duration_s": duration, "completed": len(ok), "failed": len(failed),
         "first_error": failed[0]["error"] if failed else None,
         "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,

@@ -148,7 +148,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             return bench_serve.run(base_url, args.model, args.endpoint, args.num_prompts, args.input_len_min,
                                    args.input_len_max, args.output_len, args.dataset,
                                    args.tokenizer or args.launch or None, args.request_rate, args.max_concurrency,
-                                   args.seed, args.api_key)
+                                   args.seed, args.api_key, args.ignore_eos)
 
         if args.launch is None:
             result = serve_run(args.base_url)
@@ -218,6 +218,9 @@ def add_bench_parser(sub) -> None:
     serve.add_argument("--output-len", type=int, default=128)
     serve.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second, or inf")
     serve.add_argument("--max-concurrency", type=int, default=16)
+    serve.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                       help="ask for exactly --output-len tokens (an extension; --no-ignore-eos for servers without it, "
+                            "e.g. transformers serve)")
     serve.add_argument("--tokenizer", default=None,
                        help="model directory or .gguf whose tokenizer makes the random prompts (default: the launched "
                             "model, else the embedded SmolLM2)")

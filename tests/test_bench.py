@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from server import bench_serve
 from server.cli import main
 
 
@@ -99,6 +100,13 @@ def test_bench_serve_launches_a_server(endpoint, tiny_chat_model, tmp_path, caps
         assert 0 < r[m]["p50_ms"] <= r[m]["p99_ms"]
     assert r["e2e"]["mean_ms"] >= r["ttft"]["mean_ms"]
     assert "| TTFT |" in capsys.readouterr().out
+
+
+def test_bench_serve_leaves_ignore_eos_out_for_servers_that_reject_it():
+    path, [body] = bench_serve.request_payloads(["hi"], "chat", "m", 16, ignore_eos=False)
+    assert path == "/v1/chat/completions" and "ignore_eos" not in body and body["max_tokens"] == 16
+    path, [body] = bench_serve.request_payloads(["hi"], "completions", "m", 16, ignore_eos=True)
+    assert path == "/v1/completions" and body["ignore_eos"] is True and body["prompt"] == "hi"
 
 
 def test_gpu_check_without_a_gpu_runs_exactness_and_per_bucket_speed(tiny_chat_model, tmp_path, capsys):

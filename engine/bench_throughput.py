@@ -118,8 +118,9 @@ def bench_transformers_continuous(model, prompts: list[list[int]], output_len: i
 
 def run(model: str | None, engine_args: dict, num_prompts: int = 256, input_len_min: int = 32,
         input_len_max: int = 512, output_len: int = 128, dataset: str | None = None, seed: int = 0,
-        compare: bool = False) -> dict:
-    """kiln, then (with `compare`) transformers static batches and continuous batching, on the same prompts."""
+        compare: bool = False, hf_continuous: bool = True) -> dict:
+    """kiln, then (with `compare`) transformers static batches and (with `hf_continuous`) its continuous
+    batching, on the same prompts."""
     from engine.llm import LLM
 
     llm = LLM(model, **engine_args)
@@ -145,8 +146,9 @@ def run(model: str | None, engine_args: dict, num_prompts: int = 256, input_len_
         hf = load_transformers(model_dir, ready.dtype, ready.device, cfg.num_threads)
         pad_id = pad_id if pad_id is not None else 0
         out["transformers_static"] = bench_transformers_static(hf, prompts, output_len, cfg.max_num_seqs, pad_id)
-        out["transformers_continuous"] = bench_transformers_continuous(
-            hf, prompts, output_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, pad_id)
+        if hf_continuous:
+            out["transformers_continuous"] = bench_transformers_continuous(
+                hf, prompts, output_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, pad_id)
     return out
 
 

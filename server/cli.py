@@ -132,7 +132,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from engine import bench_throughput
 
         result = bench_throughput.run(args.model, engine_args(args), args.num_prompts, args.input_len_min,
-                                      args.input_len_max, args.output_len, args.dataset, args.seed, bool(args.compare))
+                                      args.input_len_max, args.output_len, args.dataset, args.seed, bool(args.compare),
+                                      args.hf_continuous)
         print(bench_throughput.format_report(result))
     elif args.bench == "latency":
         from engine import bench_latency
@@ -202,6 +203,9 @@ def add_bench_parser(sub) -> None:
         p.add_argument("--compare", choices=["transformers"], default=None,
                        help="also run transformers on the same prompts, weights, dtype and device")
         add_engine_args(p)
+    throughput.add_argument("--no-continuous-batching-baseline", dest="hf_continuous", action="store_false",
+                            help="with --compare: only transformers' static batches (its continuous batching takes "
+                                 "tens of minutes on a small CPU)")
     for p in (throughput, serve):
         p.add_argument("--input-len-min", type=int, default=32, help="random prompts: shortest, in tokens")
         p.add_argument("--input-len-max", type=int, default=512, help="random prompts: longest, in tokens")

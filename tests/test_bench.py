@@ -55,16 +55,21 @@ def test_bench_prompts_are_seeded_windows_of_the_asked_lengths(tiny_chat_model, 
         dataset_prompts(str(data), 2)
 
 
-def test_bench_throughput_against_transformers(tiny_chat_model, tmp_path, capsys):
+@pytest.mark.parametrize("continuous", [True, False])
+def test_bench_throughput_against_transformers(continuous, tiny_chat_model, tmp_path, capsys):
     out = tmp_path / "t.json"
+    flags = [] if continuous else ["--no-continuous-batching-baseline"]
     assert main(["bench", "throughput", "--model", tiny_chat_model, *TINY_ENGINE, *TINY_LOAD, "--max-num-seqs", "2",
-                 "--compare", "transformers", "--json", str(out)]) == 0
+                 "--compare", "transformers", *flags, "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert 8 <= r["config"]["input_len_min"] <= r["config"]["input_len_max"] <= 24
     for engine in ("kiln", "transformers_static"):
         assert r[engine]["num_requests"] == 4 and r[engine]["output_tokens"] == 4 * 4
         assert r[engine]["prompt_tokens"] == round(4 * r["config"]["input_len_mean"])
         assert r[engine]["requests_per_s"] > 0 and r[engine]["total_tok_s"] > r[engine]["output_tok_s"] > 0
+    if not continuous:
+        assert "transformers_continuous" not in r
+        return
     cb = r["transformers_continuous"]
     assert cb.get("unavailable") or cb["output_tokens"] == 4 * 4
     assert "| transformers, static batches |" in capsys.readouterr().out

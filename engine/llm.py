@@ -35,8 +35,8 @@ class _FrontEnd:
 
     def __init__(self, model: str | None, client_cls: type[CoreClient], engine_args: dict[str, Any]) -> None:
         self.config = EngineConfig(model=model, **engine_args)
-        # The core process starts first: its imports, weight load and warm-up overlap our own imports,
-        # the model's resolution and the tokenizer's load.
+        # The core process starts first: its imports overlap ours and the model's resolution, and its
+        # weight load and warm-up overlap the tokenizer's load.
         self.client = client_cls()
         try:
             import torch

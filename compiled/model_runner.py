@@ -25,6 +25,7 @@ logger = logging.getLogger("kiln.runner")
 
 
 WARMUP_CHUNK = 64  # tokens of the multi-token chunks the warm-up runs
+WARMUP_CONTEXT = 512  # keys each single-query row of the warm-up attends to
 
 
 def cdiv(a: int, b: int) -> int:
@@ -189,7 +190,7 @@ class ModelRunner:
         # On CUDA every bucket records its own CUDA graph. On CPU one, two and more rows are the only
         # distinct decode graphs, so the larger buckets would only spend time computing.
         buckets = self.buckets if self.device.type == "cuda" else self.buckets[:3]
-        shapes = [(b, []) for b in buckets] + [(0, [chunk]), (0, [chunk, 2])]
+        shapes = [(b, []) for b in buckets] + [(2, [chunk]), (2, [chunk, 2])]
         for num_single, chunk_lens in shapes:
             t = time.perf_counter()
             self._dummy_step(num_single, chunk_lens)
@@ -198,12 +199,17 @@ class ModelRunner:
                     len(shapes), buckets, time.perf_counter() - start)
 
     def _dummy_step(self, num_single: int, chunk_lens: list[int]) -> None:
-        """A step over throw-away sequences whose KV all lands in the null block."""
+        """A step over throw-away sequences whose KV all lands in the null block.
+
+        Single-query rows attend to WARMUP_CONTEXT keys: Inductor decides which loops to spread over
+        threads from the sizes it compiles with, and a one-key attention would be compiled serial.
+        """
         greedy = SamplingParams(temperature=0.0)
-        def dummy(i: int, n: int) -> CachedRequestState:
-            return CachedRequestState(f"dummy{i}", [0] * n, n, greedy, 0, self.null_row, 0, 0)
-        singles = [dummy(i, 1) for i in range(num_single)]
-        chunks = [dummy(num_single + i, n) for i, n in enumerate(chunk_lens)]
+        ctx = min(WARMUP_CONTEXT, self.max_model_len)
+        singles = [CachedRequestState(f"dummy{i}", [0] * ctx, ctx, greedy, 0, self.null_row, 0, ctx - 1)
+                   for i in range(num_single)]
+        chunks = [CachedRequestState(f"dummy{num_single + i}", [0] * n, n, greedy, 0, self.null_row, 0, 0)
+                  for i, n in enumerate(chunk_lens)]
         scheduled = {s.req_id: (1 if i < num_single else len(s.token_ids)) for i, s in enumerate(singles + chunks)}
         self._run(singles, chunks, scheduled)
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from compiled.attention import AttentionMetadata, paged_attention, write_kv
+from compiled.attention import AttentionMetadata, new_kv_cache, paged_attention, write_kv
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -136,7 +136,7 @@ class Attention(nn.Module):
         self.wo = Linear(q_size, args.dim, bias=args.o_bias)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
-        # Paged KV cache [num_blocks, block_size, n_kv_heads, head_dim], attached by the runner.
+        # This layer's paged KV cache (layouts in compiled/attention.py), attached by the runner.
         self.k_cache: Tensor | None = None
         self.v_cache: Tensor | None = None
 
@@ -205,8 +205,6 @@ class Transformer(nn.Module):
         return self.output(hidden).float()
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
-        shape = (num_blocks, block_size, self.args.n_kv_heads, self.args.head_dim)
         for layer in self.layers:
-            # Uninitialised: attention masks unwritten slots, so nothing has to touch gigabytes at start.
-            layer.attention.k_cache = torch.empty(shape, device=device, dtype=dtype)
-            layer.attention.v_cache = torch.empty(shape, device=device, dtype=dtype)
+            layer.attention.k_cache, layer.attention.v_cache = new_kv_cache(
+                num_blocks, block_size, self.args.n_kv_heads, self.args.head_dim, device, dtype)

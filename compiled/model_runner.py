@@ -116,9 +116,9 @@ class ModelRunner:
         neither the buckets nor the power-of-two table widths run into Dynamo's recompile limit.
         """
         # Dynamo specialises sizes 0 and 1, so inputs keep dynamic sizes at 2 or more (see
-        # _prepare_inputs) except a decode of one sequence; the graphs are: decode of 1, 2 and more
-        # sequences (Linear streams weights differently for 1-2 rows), and steps with chunks (one
-        # chunk, or more). Each graph costs ~5 s cold and ~1 s warm, so the count is kept low.
+        # _prepare_inputs) except a decode of one sequence; the graphs are: decode of one sequence
+        # (Linear is a matrix-vector reduction there) and of more, and steps with chunks (one chunk,
+        # or more). Each graph costs ~5 s cold and ~1 s warm, so the count is kept low.
         # Sizes that happen to be equal when traced must not be assumed equal.
         torch.fx.experimental._config.use_duck_shape = False
         for layer in self.model.layers:
@@ -187,9 +187,9 @@ class ModelRunner:
         # Graphs are dynamic in the token count, so a short chunk compiles the same graph as a long
         # one and does not spend seconds computing it.
         chunk = min(WARMUP_CHUNK, self.max_model_len - 1)
-        # On CUDA every bucket records its own CUDA graph. On CPU one, two and more rows are the only
+        # On CUDA every bucket records its own CUDA graph. On CPU one row and more rows are the only
         # distinct decode graphs, so the larger buckets would only spend time computing.
-        buckets = self.buckets if self.device.type == "cuda" else self.buckets[:3]
+        buckets = self.buckets if self.device.type == "cuda" else self.buckets[:2]
         shapes = [(b, []) for b in buckets] + [(2, [chunk]), (2, [chunk, 2])]
         for num_single, chunk_lens in shapes:
             t = time.perf_counter()

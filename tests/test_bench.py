@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from compiled import bench
 from server import bench_serve
 from server.cli import main
 
@@ -23,7 +24,20 @@ def test_bench_runner_on_a_tiny_model(tiny_llama, tmp_path, capsys):
     for engine in ("kiln_compiled", "kiln_eager", "transformers"):
         assert set(result[engine]["decode_tok_s"]) == {"1", "3"} and result[engine]["prefill_tok_s"] > 0
     assert result["roofline_tok_s"] > 0
-    assert "compiled / transformers" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "compiled / transformers" in printed and "batch-1 compiled decode = " in printed
+
+
+def test_runner_report_quotes_the_roofline_only_for_batch_1():
+    engine = {"decode_tok_s": {8: 40.0, 32: 90.0}, "prefill_tok_s": 300.0, "warmup_s": 5.0}
+    r = {"config": {"batches": [8, 32]}, "copy_bandwidth_GBps": 30.0, "roofline_tok_s": 55.0,
+         "kiln_compiled": engine, "transformers": {**engine, "decode_tok_s": {8: 20.0, 32: 45.0}}}
+    report = bench.format_report(r)
+    assert "| compiled / transformers | 2.00x | 2.00x | 1.00x |" in report and "of roofline" not in report
+    r["config"]["batches"] = [1, 8, 32]
+    for e in ("kiln_compiled", "transformers"):
+        r[e]["decode_tok_s"][1] = 11.0
+    assert "batch-1 compiled decode = 20% of roofline" in bench.format_report(r)
 
 
 def test_bench_startup_on_a_tiny_model(tiny_chat_model, tmp_path):

@@ -55,6 +55,11 @@ class AttentionMetadata(NamedTuple):
     prefill_query_pos: Tensor  # [P, Qp] position of each query (padding: 0)
     prefill_out_index: Tensor  # [T - Bd] row of each chunk token in the flattened [P * Qp] output
 
+    @property
+    def decode_only(self) -> bool:
+        """Every token is its sequence's single query (no multi-token chunk): a decode batch."""
+        return self.prefill_block_tables.shape[0] == 0
+
 
 def new_kv_cache(num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int, device: torch.device,
                  dtype: torch.dtype) -> tuple[Tensor, Tensor]:

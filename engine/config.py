@@ -18,10 +18,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Tokens one step may compute. None: 1024 on CPU (a step computes ~500 tokens/s), 8192 on CUDA;
     # without chunked prefill 8192 (a prompt must fit one step); never fewer than max_num_seqs.
     max_num_batched_tokens: int | None = None
-    # ... and a step that carries decodes. None: for serving on CPU 128, so a new prompt holds running
+    # ... and a step that carries decodes. None: for serving on CPU 64, so a new prompt holds running
     # streams' next tokens for a fraction of a second (16 streams: inter-token p99 9.8x its median at
-    # 1024, 2.4x at 128, BENCHMARKS.md), while a lone prompt still prefills in 1024-token steps; 2048
-    # for serving on CUDA; offline no extra limit (larger chunks beside decodes finish a batch sooner).
+    # 1024; with today's faster decode steps 3.4-3.6x at 128, 3.0x at 96, 1.3x at 64, BENCHMARKS.md),
+    # while a lone prompt still prefills in 1024-token steps; 2048 for serving on CUDA; offline no
+    # extra limit (larger chunks beside decodes finish a batch sooner).
     max_num_batched_tokens_decoding: int | None = None
     usage: str = "offline"  # offline (LLM) | serving (AsyncLLM, kiln serve): which defaults apply
     enable_prefix_caching: bool = True
@@ -42,7 +43,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             self.max_num_batched_tokens = max(budget, self.max_num_seqs)  # room for every sequence's decode
         if self.max_num_batched_tokens_decoding is None:
             serving = self.usage == "serving" and self.enable_chunked_prefill
-            self.max_num_batched_tokens_decoding = (2048 if self.on_cuda() else 128) if serving else 0
+            self.max_num_batched_tokens_decoding = (2048 if self.on_cuda() else 64) if serving else 0
         checks = [
             (self.block_size in (8, 16, 32, 64, 128), "block_size", "must be one of 8, 16, 32, 64, 128"),
             (self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1"),

@@ -66,7 +66,8 @@ def new_kv_cache(num_blocks: int, block_size: int, n_kv_heads: int, head_dim: in
     """One layer's K [blocks, n_kv_heads, head_dim, block_size] and V [blocks, block_size, n_kv_heads, head_dim].
 
     Uninitialised but for the null block: every read masks the slots a sequence has not written, so
-    nothing has to touch gigabytes at start; the null block, which padding rows read, holds zeros.
+    nothing has to touch gigabytes at start. The null block starts zeroed because the warm-up's
+    throw-away rows read all of it as context, and float math on leftover garbage (denormals) is slow.
     """
     k = torch.empty(num_blocks, n_kv_heads, head_dim, block_size, device=device, dtype=dtype)
     v = torch.empty(num_blocks, block_size, n_kv_heads, head_dim, device=device, dtype=dtype)
@@ -76,7 +77,7 @@ def new_kv_cache(num_blocks: int, block_size: int, n_kv_heads: int, head_dim: in
 
 def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
     """Store this step's K/V [T, n_kv_heads, head_dim] in place; nothing copies the cache."""
-    bs = v_cache.shape[1]
+    bs = k_cache.shape[-1]
     k_cache[slot_mapping // bs, :, :, slot_mapping % bs] = k
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 

@@ -20,7 +20,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_num_batched_tokens: int | None = None
     # ... and a step that carries decodes. None: for serving on CPU 64, so a new prompt holds running
     # streams' next tokens for a fraction of a second (16 streams: inter-token p99 9.8x its median at
-    # 1024; with today's faster decode steps 3.4-3.6x at 128, 3.0x at 96, 1.3x at 64, BENCHMARKS.md),
+    # 1024; since decode steps got faster, 3.4-3.6x at 128, 3.0x at 96, 1.3x at 64, BENCHMARKS.md),
     # while a lone prompt still prefills in 1024-token steps; 2048 for serving on CUDA; offline no
     # extra limit (larger chunks beside decodes finish a batch sooner).
     max_num_batched_tokens_decoding: int | None = None

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from compiled.driver import MiniDriver, chat_prompts, greedy_mismatches
-from compiled.model_runner import ModelRunner, decode_buckets
+from compiled.model_runner import GuardFreeGraph, ModelRunner, decode_buckets
 from engine.config import EngineConfig
 from engine.params import SamplingParams
 from engine.scheduler_output import NewRequestData
@@ -99,11 +99,14 @@ def test_greedy_generation_matches_transformers_smollm2(smollm2_dir, smollm2_hf,
     assert greedy_mismatches(runner, smollm2_hf, prompts) == []
 
 
-def test_no_recompile_after_warmup(tiny_llama):
+def test_no_recompile_after_warmup(tiny_llama, monkeypatch):
+    # Decode steps skip Dynamo's guards after the warm-up: check them anyway, on every call.
+    monkeypatch.setattr(GuardFreeGraph, "check_guards", True)
     runner = ModelRunner(EngineConfig(model=tiny_llama, dtype="float32", max_num_seqs=12, num_kv_blocks=512,
                                       max_num_batched_tokens=64, max_model_len=256))
     runner.initialize_kv_cache(512)
     runner.warmup()
+    assert set(runner.decode_graphs) == {True, False}  # one-row and many-row decode graphs
     torch.manual_seed(0)
     drv = MiniDriver(runner, chunk=40)
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -114,6 +117,11 @@ def test_no_recompile_after_warmup(tiny_llama):
             for _ in range(3):
                 drv.step([str(i) for i in range(b)])
     assert all(len(r["out"]) >= 1 for r in drv.reqs.values())
+    # The check can fail: the one-row graph's guards refuse a two-row step.
+    two = [runner.requests["0"], runner.requests["1"]]
+    (ids, pos), meta, _, _ = runner._prepare_inputs(two, [], {"0": 1, "1": 1})
+    with pytest.raises(AssertionError, match="guards"):
+        runner.model(ids, pos, meta, block=runner.decode_graphs[True])
 
 
 def test_decode_buckets():

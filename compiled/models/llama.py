@@ -8,6 +8,7 @@ RMSNorm (Qwen3), tied embeddings (SmolLM2), RoPE scaling (Llama 3).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,14 +200,18 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
 
-    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
-        """Hidden states of every token of a packed step: input_ids and positions are [T]."""
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
+                block: Callable[..., Tensor] | None = None) -> Tensor:
+        """Hidden states of every token of a packed step: input_ids and positions are [T].
+
+        `block(layer, h, cos, sin, meta)`, when given, runs each layer in place of `layer(h, cos, sin, meta)`.
+        """
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         h = self.tok_embeddings(input_ids)
         cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
         for layer in self.layers:
-            h = layer(h, cos, sin, meta)
+            h = layer(h, cos, sin, meta) if block is None else block(layer, h, cos, sin, meta)
         return self.norm(h)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

@@ -23,7 +23,7 @@ def test_bench_runner_on_a_tiny_model(tiny_llama, tmp_path, capsys):
     result = json.loads(out.read_text())
     for engine in ("kiln_compiled", "kiln_eager", "transformers"):
         assert set(result[engine]["decode_tok_s"]) == {"1", "3"} and result[engine]["prefill_tok_s"] > 0
-    assert result["roofline_tok_s"] > 0
+    assert result["roofline_tok_s"] > 0 and result["kiln_compiled"]["batch1_roofline"] > 0
     printed = capsys.readouterr().out
     assert "compiled / transformers" in printed and "batch-1 compiled decode = " in printed
 
@@ -37,7 +37,10 @@ def test_runner_report_quotes_the_roofline_only_for_batch_1():
     r["config"]["batches"] = [1, 8, 32]
     for e in ("kiln_compiled", "transformers"):
         r[e]["decode_tok_s"][1] = 11.0
-    assert "batch-1 compiled decode = 20% of roofline" in bench.format_report(r)
+    r["kiln_compiled"].update(batch1_roofline=0.25, paired_copy_GBps=28.0)
+    report = bench.format_report(r)
+    assert "batch-1 compiled decode = 25% of roofline" in report and "28.0 GB/s" in report
+    assert "20% against the best copy" in report
 
 
 def test_bench_startup_on_a_tiny_model(tiny_chat_model, tmp_path):
@@ -100,7 +103,7 @@ def test_bench_latency_against_transformers(tiny_chat_model, tmp_path, capsys):
         assert set(r[engine]) == {"8", "24", "60"}
         for d in r[engine].values():
             assert len(d["ttft_ms"]) == 2 and min(d["ttft_ms"]) > 0 and min(d["decode_tok_s"]) > 0
-    assert r["weight_bytes"] > 0 and r["roofline_tok_s"] > 0
+    assert r["weight_bytes"] > 0 and r["roofline_tok_s"] > 0 and min(r["copy_bandwidth_GBps_before_after"]) > 0
     assert "kiln speedup" in capsys.readouterr().out
 
 

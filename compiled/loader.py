@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from compiled.models.llama import ModelArgs, Transformer, rope_inv_freq
+from compiled.models.llama import CPU_HAS_FAST_BF16, ModelArgs, Transformer, rope_inv_freq
 
 logger = logging.getLogger("kiln.loader")
 
@@ -108,15 +108,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
-
-
-def _cpu_has_fast_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return bool(re.search(r"\b(amx_bf16|avx512_bf16)\b", flags))
+    return torch.bfloat16 if CPU_HAS_FAST_BF16 else torch.float32
 
 
 # HF parameter name -> ours; q/k/v and gate/up are fused on load.

@@ -1,5 +1,6 @@
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from compiled.driver import MiniDriver, chat_prompts, greedy_mismatches
 from compiled.model_runner import GuardFreeGraph, ModelRunner, decode_buckets
@@ -9,8 +10,6 @@ from engine.scheduler_output import NewRequestData
 
 
 def hf_model(path):
-    from transformers import AutoModelForCausalLM
-
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
@@ -81,6 +80,32 @@ def test_packed_step_logits_match_transformers(tiny_model):
     check_packed_step(tiny_model, vocab=320)
 
 
+def test_bfloat16_decode_matches_transformers(tiny_llama):
+    """bfloat16 decode graphs: one sequence (matrix-vector reductions), then two (matmuls); prefill between."""
+    torch.manual_seed(2)
+    runner = ModelRunner(EngineConfig(model=tiny_llama, dtype="bfloat16", max_num_seqs=4, num_kv_blocks=64))
+    runner.initialize_kv_cache(64)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16).eval()
+    drv = MiniDriver(runner, chunk=64)
+
+    def check(so) -> None:
+        for rid, logits in step_logits(runner, so).items():
+            tokens = drv.reqs[rid]["tokens"][: drv.reqs[rid]["computed"] + 1]
+            with torch.no_grad():
+                ref = hf(torch.tensor([tokens])).logits[0, -1:].float()
+            err = (logits.float() - ref).abs().max() / ref.abs().max()
+            assert err < 2e-2, f"{rid}: relative error {err:.2e}"
+
+    drv.add("a", torch.randint(0, 320, (21,)).tolist())
+    drv.step()
+    check(drv.build())
+    drv.add("b", torch.randint(0, 320, (35,)).tolist())
+    drv.step()  # "a" decodes beside "b"'s prefill
+    so = drv.build()
+    assert so.num_scheduled_tokens == {"a": 1, "b": 1}
+    check(so)
+
+
 @pytest.mark.slow
 def test_packed_step_logits_match_transformers_smollm2(smollm2_dir):
     check_packed_step(smollm2_dir, vocab=49152)
@@ -92,6 +117,7 @@ def test_greedy_generation_matches_transformers_smollm2(smollm2_dir, smollm2_hf,
     from transformers import AutoTokenizer
 
     prompts = chat_prompts(AutoTokenizer.from_pretrained(smollm2_dir), 9)
+    torch._dynamo.reset()  # graphs other tests compiled count against Dynamo's recompile limit
     runner = ModelRunner(EngineConfig(model=smollm2_dir, dtype="float32", max_num_seqs=16, num_kv_blocks=128,
                                       max_num_batched_tokens=64, enforce_eager=enforce_eager))
     runner.initialize_kv_cache(128)
@@ -102,11 +128,13 @@ def test_greedy_generation_matches_transformers_smollm2(smollm2_dir, smollm2_hf,
 def test_no_recompile_after_warmup(tiny_llama, monkeypatch):
     # Decode steps skip Dynamo's guards after the warm-up: check them anyway, on every call.
     monkeypatch.setattr(GuardFreeGraph, "check_guards", True)
+    torch._dynamo.reset()  # graphs other tests compiled count against Dynamo's recompile limit
     runner = ModelRunner(EngineConfig(model=tiny_llama, dtype="float32", max_num_seqs=12, num_kv_blocks=512,
                                       max_num_batched_tokens=64, max_model_len=256))
     runner.initialize_kv_cache(512)
     runner.warmup()
     assert set(runner.decode_graphs) == {True, False}  # one-row and many-row decode graphs
+    assert all(isinstance(g, GuardFreeGraph) for g in runner.decode_graphs.values())
     torch.manual_seed(0)
     drv = MiniDriver(runner, chunk=40)
     with torch._dynamo.config.patch(error_on_recompile=True):

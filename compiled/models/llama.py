@@ -127,11 +127,11 @@ class Linear(nn.Linear):
       64 rows: 137 vs 89. In the model a batch-8 step at 512 tokens of context went 82 → 63 ms.
       A 512-token prefill went 870 → 970 ms the same way (the transposed outputs cost their
       consumers more than the matmuls gained), so prefill keeps F.linear.
-    - Half-precision weights on a CPU without bfloat16 arithmetic (AVX2 only): BLAS emulates it, about
-      5x slower than its float32 path, so steps with chunks run their matmuls in float32 on converted
-      copies (products of bfloat16 values are exact in float32; BLAS accumulates in float32 either way):
-      512-token prefill 85 → 414 tok/s. Decode batches keep bfloat16 BLAS: converting the weights every
-      step cost more than it saved (batch-8 step 157 → 193 ms).
+    - Half-precision weights on a CPU without bfloat16 arithmetic (AVX2 only): BLAS emulates it, several
+      times slower than its float32 path, so the matmuls run in float32 on converted copies (products of
+      bfloat16 values are exact in float32; BLAS accumulates in float32 either way). 512-token prefill
+      85 → 414 tok/s; decode step at 512 tokens of context, batch 8: 179-183 → 139-163 ms, batch 32:
+      592-718 → 201-253 ms (two alternating runs each).
     """
 
     def forward(self, x: Tensor, weight_left: bool = False) -> Tensor:
@@ -140,12 +140,12 @@ class Linear(nn.Linear):
             x = torch.ops.prims.inductor_force_stride_order(x.float(), x.stride())
             y = (x[:, None, :] * w[None].float()).sum(-1).to(dtype)
             return y if b is None else y + b
+        if x.device.type == "cpu" and dtype != torch.float32 and not CPU_HAS_FAST_BF16:
+            x, w, b = x.float(), w.float(), None if b is None else b.float()
         if weight_left and x.device.type == "cpu":  # an MKL finding; cuBLAS is not measured
             y = (w @ x.T).T
-            return y if b is None else y + b
-        if x.device.type == "cpu" and dtype != torch.float32 and not CPU_HAS_FAST_BF16:
-            return F.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
-        return F.linear(x, w, b)
+            return (y if b is None else y + b).to(dtype)
+        return F.linear(x, w, b).to(dtype)
 
 
 class RMSNorm(nn.Module):

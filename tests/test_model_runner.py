@@ -152,6 +152,21 @@ def test_no_recompile_after_warmup(tiny_llama, monkeypatch):
         runner.model(ids, pos, meta, block=runner.decode_graphs[True])
 
 
+def test_decode_keeps_guarded_calls_where_dynamo_compiled_no_graph(tiny_llama, monkeypatch, caplog):
+    from compiled import model_runner
+
+    monkeypatch.setattr(GuardFreeGraph, "lookup", classmethod(lambda cls, fn, *args: None))
+    runner = ModelRunner(EngineConfig(model=tiny_llama, dtype="float32", max_num_seqs=4, num_kv_blocks=64))
+    runner.initialize_kv_cache(64)
+    drv = MiniDriver(runner, chunk=64)
+    drv.add("a", torch.randint(0, 320, (9,)).tolist())
+    for _ in range(3):
+        drv.step()
+    assert len(drv.reqs["a"]["out"]) == 3
+    assert runner.decode_graphs == {True: model_runner._guarded_block}
+    assert "keep Dynamo's guarded calls" in caplog.text
+
+
 def test_decode_buckets():
     assert decode_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
     assert decode_buckets(100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100]

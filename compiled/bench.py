@@ -32,11 +32,14 @@ class Copy:
     def seconds(self) -> float:
         return _timed(lambda: self.dst.copy_(self.src))
 
+    def bandwidth(self, repeats: int = 5) -> float:
+        """Bytes per second moved by the best of `repeats` copies."""
+        return self.moved / min(self.seconds() for _ in range(repeats))
+
 
 def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5, device: str | torch.device = "cpu") -> float:
     """Bytes per second moved by the best of `repeats` large tensor copies on `device`."""
-    copy = Copy(nbytes, device)
-    return copy.moved / min(copy.seconds() for _ in range(repeats))
+    return Copy(nbytes, device).bandwidth(repeats)
 
 
 def _timed(fn) -> float:
@@ -180,7 +183,7 @@ def run(model: str | None = None, dtype: str = "float32", batches: tuple[int, ..
     if compare:
         torch_dtype = resolve_dtype(dtype, resolve_device("auto"))
         out["transformers"] = bench_transformers(model_dir, torch_dtype, list(batches), context, steps, prefill_len)
-    bandwidth = copy.moved / min(copy.seconds() for _ in range(5))
+    bandwidth = copy.bandwidth()
     out["copy_bandwidth_GBps"] = bandwidth / 1e9
     out["roofline_tok_s"] = bandwidth / out["kiln_compiled"]["weight_bytes"]
     return out

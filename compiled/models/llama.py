@@ -130,7 +130,7 @@ class Linear(nn.Linear):
     - Half-precision weights on a CPU without bfloat16 arithmetic (AVX2 only): BLAS emulates it, several
       times slower than its float32 path, so the matmuls run in float32 on converted copies (products of
       bfloat16 values are exact in float32; BLAS accumulates in float32 either way). 512-token prefill
-      85 → 414 tok/s; decode step at 512 tokens of context, batch 8: 179-183 → 139-163 ms, batch 32:
+      85 → 395–545 tok/s; decode step at 512 tokens of context, batch 8: 179-183 → 139-163 ms, batch 32:
       592-718 → 201-253 ms (two alternating runs each).
     """
 

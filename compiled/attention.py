@@ -50,17 +50,15 @@ class AttentionMetadata(NamedTuple):
     slot_mapping: Tensor  # [T] cache slot each token's K/V is written to
     decode_block_tables: Tensor  # [Bd, Wd] for the first Bd tokens (one query each)
     decode_seq_lens: Tensor  # [Bd] keys each single-query row attends to (its position + 1)
-    # Prefill attention runs each chunk's queries in two tiles of rows, each over its own block table:
-    # the first W0 blocks, and all Wp (see prefill_attention).
-    prefill_block_tables: tuple[Tensor, Tensor]  # [P, W0], [P, Wp]
-    prefill_query_index: tuple[Tensor, Tensor]  # [P, Q0], [P, Q1] step-token index of each row (padding: any valid)
-    prefill_query_pos: tuple[Tensor, Tensor]  # [P, Q0], [P, Q1] position of each row (padding: 0)
+    prefill_block_tables: Tensor  # [P, Wp]
+    prefill_query_index: Tensor  # [P, Qp] step-token index of each chunk's queries (padding: any valid index)
+    prefill_query_pos: Tensor  # [P, Qp] position of each query (padding: 0)
     prefill_out_index: Tensor  # [T - Bd] row of each chunk token in the flattened [P * Qp] output
 
     @property
     def decode_only(self) -> bool:
         """Every token is its sequence's single query (no multi-token chunk): a decode batch."""
-        return self.prefill_block_tables[1].shape[0] == 0
+        return self.prefill_block_tables.shape[0] == 0
 
 
 def new_kv_cache(num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int, device: torch.device,
@@ -121,25 +119,16 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: 
 
 
 def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
-    """Multi-token chunks: q [T, H, D] (the whole step) -> [T - Bd, H, D] for the chunk tokens.
-
-    SDPA computes every score, masked or not. Each chunk's queries are right-aligned over the rows of
-    the two tiles (padding rows first), so a row of the first tile sits at least Q1 positions before
-    the chunk's end: its table stops there, and equal tiles skip the empty half of the causal triangle.
-    """
-    last = meta.prefill_query_pos[1].amax(1)  # each chunk's last query is its second tile's last row
-    out = []
-    for index, pos, table in zip(meta.prefill_query_index, meta.prefill_query_pos, meta.prefill_block_tables):
-        k = _gather_keys(k_cache, table)  # [P, Hkv, L, D]
-        v = _gather(v_cache, table).transpose(1, 2)
-        key_pos = torch.arange(k.shape[2], device=q.device)
-        # Unwritten slots may hold anything, NaN included: a masked score still meets them.
-        written = (key_pos <= last[:, None])[:, None, :, None]  # [P, 1, L, 1]
-        k, v = torch.where(written, k, 0.0), torch.where(written, v, 0.0)
-        mask = key_pos <= pos[:, None, :, None]  # [P, 1, Q, L]
-        out.append(F.scaled_dot_product_attention(q[index].transpose(1, 2), k, v, attn_mask=mask, scale=scale,
-                                                  enable_gqa=True))
-    out = torch.cat(out, dim=2)  # [P, H, Q0 + Q1, D]
+    """Multi-token chunks: q [T, H, D] (the whole step) -> [T - Bd, H, D] for the chunk tokens."""
+    k = _gather_keys(k_cache, meta.prefill_block_tables)  # [P, Hkv, L, D]
+    v = _gather(v_cache, meta.prefill_block_tables).transpose(1, 2)
+    qp = q[meta.prefill_query_index].transpose(1, 2)  # [P, H, Qp, D]
+    key_pos = torch.arange(k.shape[2], device=q.device)
+    mask = key_pos[None, None, None, :] <= meta.prefill_query_pos[:, None, :, None]  # [P, 1, Qp, L]
+    # Unwritten slots may hold anything, NaN included: a masked score still meets them.
+    written = (key_pos[None, :] <= meta.prefill_query_pos.amax(1)[:, None])[:, None, :, None]  # [P, 1, L, 1]
+    k, v = torch.where(written, k, 0.0), torch.where(written, v, 0.0)
+    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     P, H, Qp, D = out.shape
     return out.transpose(1, 2).reshape(P * Qp, H, D)[meta.prefill_out_index]
 
@@ -150,6 +139,6 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
     parts = []
     if Bd > 0:
         parts.append(decode_attention(q[:Bd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale))
-    if not meta.decode_only:
+    if meta.prefill_block_tables.shape[0] > 0:
         parts.append(prefill_attention(q, k_cache, v_cache, meta, scale))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -53,22 +53,6 @@ def _pow2(n: int, cap: int) -> int:
     return min(1 << max(n - 1, 0).bit_length(), cap)
 
 
-def _prefill_tiles(rows: int, width: int, bs: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(query rows, block-table width) of prefill attention's two tiles, for chunks of up to `rows` queries
-    whose keys fit in `width` blocks of `bs`.
-
-    Equal tiles skip a quarter of the scores where the chunks are long next to their context; elsewhere
-    the first tile is two rows of padding over two blocks (sizes 0 and 1 are specialised). SDPA alone,
-    2 threads, float32, 9 query / 3 KV heads, ms per layer for P chunks × rows × keys, one tile → two
-    equal: 1×512×512 11.1 → 8.2; 1×1024×1024 26.4 → 20.1; 4×400×400 16.6 → 13.6; 3×300×900
-    18.7 → 20.0 (a second call of fewer rows runs SDPA's slower small-query path).
-    """
-    if rows >= 256 and 2 * rows >= width * bs:
-        half = rows // 2
-        return (rows - half, cdiv(width * bs - half, bs)), (half, width)
-    return (2, 2), (rows, width)
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -379,22 +363,23 @@ class ModelRunner:
         dec_width = cdiv(max(seq_lens, default=1), bs)
         dec_width = max(_pow2(dec_width, self.table_width) if self.device.type == "cuda" else dec_width, 2)
 
-        chunk_lens = [num_scheduled[s.req_id] for s in chunks]
-        width = max([2] + [cdiv(s.num_computed_tokens + n, bs) for s, n in zip(chunks, chunk_lens)])
-        (q0, w0), (q1, w1) = _prefill_tiles(max(chunk_lens, default=2), width, bs)
         query_index: list[list[int]] = []
         query_pos: list[list[int]] = []
+        chunk_lens = [num_scheduled[s.req_id] for s in chunks]
+        q_max = max(chunk_lens, default=2)
+        pre_width = 2
         for s, n in zip(chunks, chunk_lens):
             start, first = s.num_computed_tokens, len(token_ids)
             rows += [s.row] * n
             positions += range(start, start + n)
             token_ids += s.token_ids[start : start + n]
-            query_index.append([first] * (q0 + q1 - n) + list(range(first, first + n)))
-            query_pos.append([0] * (q0 + q1 - n) + list(range(start, start + n)))
+            query_index.append(list(range(first, first + n)) + [first] * (q_max - n))
+            query_pos.append(list(range(start, start + n)) + [0] * (q_max - n))
+            pre_width = max(pre_width, cdiv(start + n, bs))
             if start + n == len(s.token_ids):
                 logits_index.append(len(token_ids) - 1)
                 sampled.append(s)
-        out_index = [(p + 1) * (q0 + q1) - n + j for p, n in enumerate(chunk_lens) for j in range(n)]
+        out_index = [p * q_max + j for p, n in enumerate(chunk_lens) for j in range(n)]
 
         rows_t = torch.tensor(rows, dtype=torch.int64)
         pos_t = torch.tensor(positions, dtype=torch.int64)
@@ -405,9 +390,9 @@ class ModelRunner:
             slot_mapping=slots.to(dev),
             decode_block_tables=self.block_table[rows_t[:num_dec], :dec_width].to(dev),
             decode_seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
-            prefill_block_tables=(self.block_table[chunk_rows, :w0].to(dev), self.block_table[chunk_rows, :w1].to(dev)),
-            prefill_query_index=torch.tensor(query_index, dtype=torch.int64, device=dev).view(len(chunks), q0 + q1).split([q0, q1], 1),
-            prefill_query_pos=torch.tensor(query_pos, dtype=torch.int64, device=dev).view(len(chunks), q0 + q1).split([q0, q1], 1),
+            prefill_block_tables=self.block_table[chunk_rows, :pre_width].to(dev),
+            prefill_query_index=torch.tensor(query_index, dtype=torch.int64, device=dev).view(len(chunks), q_max),
+            prefill_query_pos=torch.tensor(query_pos, dtype=torch.int64, device=dev).view(len(chunks), q_max),
             prefill_out_index=torch.tensor(out_index, dtype=torch.int64, device=dev),
         )
         inputs = (torch.tensor(token_ids, dtype=torch.int64, device=dev), pos_t.to(dev))

@@ -3,7 +3,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from compiled.driver import MiniDriver, chat_prompts, greedy_mismatches
-from compiled.model_runner import GuardFreeGraph, ModelRunner, _prefill_tiles, decode_buckets
+from compiled.model_runner import GuardFreeGraph, ModelRunner, decode_buckets
 from engine.config import EngineConfig
 from engine.params import SamplingParams
 from engine.scheduler_output import NewRequestData
@@ -38,24 +38,22 @@ def poison_kv_cache(runner: ModelRunner) -> None:
         layer.attention.v_cache.fill_(float("nan"))
 
 
-def check_packed_step(model_dir: str, vocab: int, block_size: int = 4, enforce_eager: bool = True) -> None:
+def check_packed_step(model_dir: str, vocab: int, block_size: int = 4) -> None:
     torch.manual_seed(1)
     runner = ModelRunner(EngineConfig(model=model_dir, dtype="float32", block_size=8 if block_size == 8 else 16,
-                                      max_num_seqs=8, num_kv_blocks=256, enforce_eager=enforce_eager))
+                                      max_num_seqs=8, num_kv_blocks=256, enforce_eager=True))
     runner.initialize_kv_cache(256)
     poison_kv_cache(runner)
     bs = runner.block_size
     drv = MiniDriver(runner, chunk=2 * bs)
     prompts = {rid: torch.randint(0, vocab, (n,)).tolist() for rid, n in
-               [("chunked", 5 * bs + 3), ("decode", 7), ("one", 1), ("fresh", 2 * bs - 3), ("long", 300)]}
+               [("chunked", 5 * bs + 3), ("decode", 7), ("one", 1), ("fresh", 2 * bs - 3)]}
     for rid in ("chunked", "decode", "one"):
         drv.add(rid, prompts[rid])
     drv.step()  # chunked: first 2 blocks; decode and one: whole prompt, sampled
     so = drv.build()  # chunked continues after cached context; decode and one decode
     drv.add("fresh", prompts["fresh"])
-    drv.add("long", prompts["long"])  # long enough for equal query tiles in prefill attention
-    drv.chunk = 1 << 30
-    fresh = drv.build(["fresh", "long"])
+    fresh = drv.build(["fresh"])
     so.new_reqs += fresh.new_reqs
     so.num_scheduled_tokens.update(fresh.num_scheduled_tokens)
     # A prefix-cache hit: shares "chunked"'s first two (computed) blocks and computes the rest.
@@ -80,19 +78,6 @@ def check_packed_step(model_dir: str, vocab: int, block_size: int = 4, enforce_e
 
 def test_packed_step_logits_match_transformers(tiny_model):
     check_packed_step(tiny_model, vocab=320)
-
-
-def test_packed_step_logits_match_transformers_compiled(tiny_llama):
-    torch._dynamo.reset()  # graphs other tests compiled count against Dynamo's recompile limit
-    check_packed_step(tiny_llama, vocab=320, enforce_eager=False)
-
-
-def test_prefill_tiles():
-    # A long chunk over little context: equal tiles, the first one's table stopping at its rows' last position.
-    assert _prefill_tiles(300, 19, 16) == ((150, 10), (150, 19))
-    assert _prefill_tiles(301, 19, 16) == ((151, 10), (150, 19))
-    assert _prefill_tiles(300, 57, 16) == ((2, 2), (300, 57))  # short next to its context: one tile
-    assert _prefill_tiles(64, 4, 16) == ((2, 2), (64, 4))
 
 
 def test_bfloat16_decode_matches_transformers(tiny_llama):
@@ -145,7 +130,7 @@ def test_no_recompile_after_warmup(tiny_llama, monkeypatch):
     monkeypatch.setattr(GuardFreeGraph, "check_guards", True)
     torch._dynamo.reset()  # graphs other tests compiled count against Dynamo's recompile limit
     runner = ModelRunner(EngineConfig(model=tiny_llama, dtype="float32", max_num_seqs=12, num_kv_blocks=512,
-                                      max_num_batched_tokens=64, max_model_len=320))
+                                      max_num_batched_tokens=64, max_model_len=256))
     runner.initialize_kv_cache(512)
     runner.warmup()
     assert set(runner.decode_graphs) == {True, False}  # one-row and many-row decode graphs
@@ -165,11 +150,6 @@ def test_no_recompile_after_warmup(tiny_llama, monkeypatch):
     (ids, pos), meta, _, _ = runner._prepare_inputs(two, [], {"0": 1, "1": 1})
     with pytest.raises(AssertionError, match="guards"):
         runner.model(ids, pos, meta, block=runner.decode_graphs[True])
-    drv.finish()
-    drv.chunk = 1 << 30
-    drv.add("long", torch.randint(0, 320, (300,)).tolist())  # equal query tiles in prefill attention
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        assert len(drv.step()["long"]) == 1
 
 
 def test_decode_keeps_guarded_calls_where_dynamo_compiled_no_graph(tiny_llama, monkeypatch, caplog):

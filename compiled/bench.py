@@ -2,7 +2,8 @@
 
 Decode is timed with synthetic context: each sequence gets `context` positions of KV-cache blocks
 and decodes from there (the cost of a decode step does not depend on what the cache holds), so
-large batches need no long prefill first. Prefill is timed on a real prompt.
+large batches need no long prefill first. Prefill is timed on a random prompt. The engines take
+turns, a few steps each, so that their ratios hold on a machine whose speed drifts.
 """
 
 from __future__ import annotations
@@ -77,92 +78,120 @@ class _Batch:
         self.runner.execute_model(SchedulerOutput(finished_req_ids=set(self.ids)))
 
 
+class KilnEngine:
+    """A ModelRunner as `measure` drives it: decode batches over synthetic context, one-prompt prefills."""
+
+    def __init__(self, runner: ModelRunner, prefill_len: int) -> None:
+        self.runner, self.batch, self.prefill_len = runner, None, prefill_len
+        # The synthetic context reads slots no step wrote. Serving reads only written slots, or fresh pages
+        # (zeros); here they would hold whatever the allocator left, and denormal garbage slows float math
+        # many times over.
+        for layer in runner.model.layers:
+            layer.attention.k_cache.zero_()
+            layer.attention.v_cache.zero_()
+        self.prompt = torch.randint(0, runner.vocab_size, (prefill_len,)).tolist()
+        self.prompt_blocks = list(range(runner.num_blocks - cdiv(prefill_len, runner.block_size) - 1, runner.num_blocks - 1))
+        self.prefills = 0
+
+    def start(self, batch: int, context: int) -> None:
+        self.batch = _Batch(self.runner, batch, context, first_block=1)
+
+    def step(self) -> None:
+        self.batch.step()
+
+    def finish(self) -> None:
+        self.batch.finish()
+
+    def prefill(self) -> None:
+        rid, n = f"p{self.prefills}", len(self.prompt)
+        self.prefills += 1
+        self.runner.execute_model(SchedulerOutput(new_reqs=[NewRequestData(rid, self.prompt, n, GREEDY, self.prompt_blocks, 0, 0)],
+                                                  num_scheduled_tokens={rid: n}, total_num_scheduled_tokens=n))
+        self.runner.execute_model(SchedulerOutput(finished_req_ids={rid}))
+
+
+class TransformersEngine:
+    """transformers' own forward and KV cache, driven as `generate` drives them (prefill, then one greedy
+    token per step); only the steps are timed: generate's bookkeeping is left out, in its favour."""
+
+    def __init__(self, model, prefill_len: int) -> None:
+        self.model, self.vocab, self.prefill_len = model, model.config.vocab_size, prefill_len
+        self.prompt = torch.randint(0, self.vocab, (1, prefill_len))
+
+    def _prefill(self, ids: torch.Tensor) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache()
+        with torch.no_grad():
+            logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True).logits
+        self.token = logits[:, -1:].argmax(-1)
+
+    def start(self, batch: int, context: int) -> None:
+        self._prefill(torch.randint(0, self.vocab, (batch, context)))
+
+    def step(self) -> None:
+        with torch.no_grad():
+            self.token = self.model(input_ids=self.token, past_key_values=self.cache, use_cache=True).logits.argmax(-1)
+
+    def finish(self) -> None:
+        self.cache = self.token = None
+
+    def prefill(self) -> None:
+        self._prefill(self.prompt)
+
+
 def bench_kv_blocks(block_size: int, batch: int, context: int, prefill_len: int) -> int:
-    """KV blocks for `time_runner`: `batch` sequences at `context` plus one prompt, and the null block."""
+    """KV blocks for a KilnEngine: `batch` sequences at `context` plus one prompt, and the null block."""
     return batch * cdiv(context + 64, block_size) + cdiv(prefill_len, block_size) + 2
 
 
-def bench_kiln(config: EngineConfig, batches: list[int], context: int, steps: int, prefill_len: int,
-               copy: Copy | None = None) -> dict:
+def kiln_engine(config: EngineConfig, batch: int, context: int, prefill_len: int) -> tuple[KilnEngine, float]:
+    """A warmed-up runner for `measure`, and its warm-up's seconds."""
     runner = ModelRunner(config)
-    runner.initialize_kv_cache(bench_kv_blocks(config.block_size, max(batches), context, prefill_len))
+    runner.initialize_kv_cache(bench_kv_blocks(config.block_size, batch, context, prefill_len))
     start = time.perf_counter()
     runner.warmup()
-    return {"warmup_s": time.perf_counter() - start, **time_runner(runner, batches, context, steps, prefill_len, copy)}
+    return KilnEngine(runner, prefill_len), time.perf_counter() - start
 
 
-def time_runner(runner: ModelRunner, batches: list[int], context: int, steps: int, prefill_len: int,
-                copy: Copy | None = None) -> dict:
-    """Decode tokens/s per batch size and prefill tokens/s of a runner whose KV cache holds the largest batch
-    at `context` plus one prompt of `prefill_len`.
+def measure(engines: dict, batches: list[int], context: int, steps: int, copy: Copy | None = None,
+            roofline_engine: str | None = None, rounds: int = 4) -> dict[str, dict]:
+    """Decode tokens/s per batch size at `context` and prefill tokens/s of each engine, measured in turns:
+    each engine's `steps` timed steps come in `rounds` blocks, alternating with the other engines' blocks,
+    so that every engine meets the same moments of a machine whose speed drifts by a third in minutes.
 
-    With `copy`, batch 1 is also measured against the roofline step by step: each decode step is followed by
-    a timed copy, and the result is the median over steps of (weight bytes / step time) / (copy bandwidth),
-    so that the bandwidth a step is held to is the machine's at that moment (it drifts by a third here).
+    With `copy`, the `roofline_engine`'s batch 1 is also measured against the roofline step by step: each
+    decode step is followed by a timed copy, and the result is the median over steps of (weight bytes /
+    step time) / (copy bandwidth), so that the bandwidth a step is held to is the machine's at that moment.
     """
-    # The synthetic context reads slots no step wrote. Serving reads only written slots, or fresh pages
-    # (zeros); here they would hold whatever the allocator left, and denormal garbage slows float math
-    # many times over.
-    for layer in runner.model.layers:
-        layer.attention.k_cache.zero_()
-        layer.attention.v_cache.zero_()
-    result: dict = {"decode_tok_s": {}, "weight_bytes": runner.weight_bytes}
+    out: dict[str, dict] = {name: {"decode_tok_s": {}} for name in engines}
+    blocks = [steps // rounds + (i < steps % rounds) for i in range(rounds)]
     for b in batches:
-        batch = _Batch(runner, b, context, first_block=1)
-        batch.step()  # first step at this size: settle caches
-        elapsed = sum(_timed(batch.step) for _ in range(steps))
-        result["decode_tok_s"][b] = b * steps / elapsed
-        if b == 1 and copy is not None:
-            pairs = [(_timed(batch.step), copy.seconds()) for _ in range(steps)]
-            result["batch1_roofline"] = statistics.median(runner.weight_bytes * c / (copy.moved * t) for t, c in pairs)
-            result["paired_copy_GBps"] = statistics.median(copy.moved / c for _, c in pairs) / 1e9
-        batch.finish()
-    prompt = torch.randint(0, runner.vocab_size, (prefill_len,)).tolist()
-    blocks = list(range(runner.num_blocks - cdiv(prefill_len, runner.block_size) - 1, runner.num_blocks - 1))
-
-    def prefill(i: int) -> None:
-        so = SchedulerOutput(new_reqs=[NewRequestData(f"p{i}", prompt, prefill_len, GREEDY, blocks, 0, 0)],
-                             num_scheduled_tokens={f"p{i}": prefill_len}, total_num_scheduled_tokens=prefill_len)
-        runner.execute_model(so)
-        runner.execute_model(SchedulerOutput(finished_req_ids={f"p{i}"}))
-
-    prefill(0)
-    result["prefill_tok_s"] = prefill_len * 3 / sum(_timed(lambda i=i: prefill(i)) for i in range(1, 4))
-    return result
-
-
-def bench_transformers(model_dir: str, dtype: torch.dtype, batches: list[int], context: int, steps: int,
-                       prefill_len: int) -> dict:
-    """transformers' own forward and KV cache, driven as `generate` drives them (prefill, then one greedy
-    token per step), with only the decode steps timed: generate's bookkeeping is left out, in its favour."""
-    from transformers import AutoModelForCausalLM, DynamicCache
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    vocab = model.config.vocab_size
-
-    def prefill(ids: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
-        cache = DynamicCache()
-        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
-        return cache, logits[:, -1:].argmax(-1)
-
-    def decode(cache: DynamicCache, token: torch.Tensor) -> float:
-        def loop() -> None:
-            nonlocal token
-            for _ in range(steps):
-                token = model(input_ids=token, past_key_values=cache, use_cache=True).logits.argmax(-1)
-        return _timed(loop)
-
-    result: dict = {"decode_tok_s": {}}
-    with torch.no_grad():
-        for b in batches:
-            cache, token = prefill(torch.randint(0, vocab, (b, context)))
-            decode(cache, token)  # settle
-            cache, token = prefill(torch.randint(0, vocab, (b, context)))
-            result["decode_tok_s"][b] = b * steps / decode(cache, token)
-        ids = torch.randint(0, vocab, (1, prefill_len))
-        prefill(ids)
-        result["prefill_tok_s"] = prefill_len * 3 / sum(_timed(lambda: prefill(ids)) for _ in range(3))
-    return result
+        elapsed = dict.fromkeys(engines, 0.0)
+        for engine in engines.values():
+            engine.start(b, context)
+            engine.step()  # first step at this size: settle caches
+        for i, n in enumerate(blocks):
+            order = list(engines) if i % 2 == 0 else list(engines)[::-1]
+            for name in order:
+                elapsed[name] += sum(_timed(engines[name].step) for _ in range(n))
+        for name, engine in engines.items():
+            out[name]["decode_tok_s"][b] = b * steps / elapsed[name]
+            if b == 1 and copy is not None and name == roofline_engine:
+                runner = engine.runner
+                pairs = [(_timed(engine.step), copy.seconds()) for _ in range(steps)]
+                out[name]["batch1_roofline"] = statistics.median(runner.weight_bytes * c / (copy.moved * t) for t, c in pairs)
+                out[name]["paired_copy_GBps"] = statistics.median(copy.moved / c for _, c in pairs) / 1e9
+            engine.finish()
+    elapsed = dict.fromkeys(engines, 0.0)
+    for engine in engines.values():
+        engine.prefill()
+    for i in range(3):
+        for name in (list(engines) if i % 2 == 0 else list(engines)[::-1]):
+            elapsed[name] += _timed(engines[name].prefill)
+    for name, engine in engines.items():
+        out[name]["prefill_tok_s"] = engine.prefill_len * 3 / elapsed[name]
+    return out
 
 
 def run(model: str | None = None, dtype: str = "float32", batches: tuple[int, ...] = (1, 8, 32, 64),
@@ -178,11 +207,18 @@ def run(model: str | None = None, dtype: str = "float32", batches: tuple[int, ..
     out: dict = {"config": {"model": model_dir, "dtype": dtype, "batches": list(batches), "context": context,
                             "steps": steps, "prefill_len": prefill_len, "threads": num_threads or torch.get_num_threads()}}
     copy = Copy()
-    out["kiln_compiled"] = bench_kiln(EngineConfig(**common), list(batches), context, steps, prefill_len, copy)
-    out["kiln_eager"] = bench_kiln(EngineConfig(**common, enforce_eager=True), list(batches), context, steps, prefill_len)
+    engines, batch = {}, max(batches)
+    engines["kiln_compiled"], compiled_warmup = kiln_engine(EngineConfig(**common), batch, context, prefill_len)
+    engines["kiln_eager"], _ = kiln_engine(EngineConfig(**common, enforce_eager=True), batch, context, prefill_len)
     if compare:
+        from transformers import AutoModelForCausalLM
+
         torch_dtype = resolve_dtype(dtype, resolve_device("auto"))
-        out["transformers"] = bench_transformers(model_dir, torch_dtype, list(batches), context, steps, prefill_len)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+        engines["transformers"] = TransformersEngine(hf, prefill_len)
+    out |= measure(engines, list(batches), context, steps, copy, roofline_engine="kiln_compiled")
+    out["kiln_compiled"]["warmup_s"] = compiled_warmup
+    out["kiln_compiled"]["weight_bytes"] = engines["kiln_compiled"].runner.weight_bytes
     bandwidth = copy.bandwidth()
     out["copy_bandwidth_GBps"] = bandwidth / 1e9
     out["roofline_tok_s"] = bandwidth / out["kiln_compiled"]["weight_bytes"]

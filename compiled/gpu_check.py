@@ -77,7 +77,7 @@ def run(model: str | None = None, dtype: str = "float32", device: str = "cuda", 
                 torch._dynamo.utils.counters.clear()
                 out["graph_launches"] = check_graphs(runner, context)
                 out["cudagraph_skips"] = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
-        out[name] = {"warmup_s": warmup_s, **bench.time_runner(runner, buckets, context, steps, prefill_len=context)}
+        out[name] = {"warmup_s": warmup_s, **bench.measure({name: bench.KilnEngine(runner, context)}, buckets, context, steps)[name]}
         del runner
     out["ok"] = not out["greedy_mismatches"] and (
         device != "cuda" or (all(n > 0 for n in out["graph_launches"].values()) and out["cudagraph_skips"] == 0))

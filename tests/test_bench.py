@@ -28,6 +28,34 @@ def test_bench_runner_on_a_tiny_model(tiny_llama, tmp_path, capsys):
     assert "compiled / transformers" in printed and "batch-1 compiled decode = " in printed
 
 
+def test_runner_engines_take_turns():
+    log = []
+
+    class Engine:
+        prefill_len = 4
+
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def start(self, batch: int, context: int) -> None:
+            log.append((self.name, "start"))
+
+        def step(self) -> None:
+            log.append((self.name, "step"))
+
+        def finish(self) -> None:
+            log.append((self.name, "finish"))
+
+        def prefill(self) -> None:
+            log.append((self.name, "prefill"))
+
+    r = bench.measure({"a": Engine("a"), "b": Engine("b")}, [2], context=8, steps=4, rounds=2)
+    # One settling step each, then blocks of two steps, the order reversed every round.
+    assert [name for name, op in log if op == "step"] == ["a", "b", "a", "a", "b", "b", "b", "b", "a", "a"]
+    assert [name for name, op in log if op == "prefill"] == ["a", "b", "a", "b", "b", "a", "a", "b"]
+    assert set(r["a"]["decode_tok_s"]) == {2} and r["b"]["prefill_tok_s"] > 0
+
+
 def test_runner_report_quotes_the_roofline_only_for_batch_1():
     engine = {"decode_tok_s": {8: 40.0, 32: 90.0}, "prefill_tok_s": 300.0, "warmup_s": 5.0}
     r = {"config": {"batches": [8, 32]}, "copy_bandwidth_GBps": 30.0, "roofline_tok_s": 55.0,

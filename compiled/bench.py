@@ -155,10 +155,12 @@ def kiln_engine(config: EngineConfig, batch: int, context: int, prefill_len: int
 
 
 def measure(engines: dict, batches: list[int], context: int, steps: int, copy: Copy | None = None,
-            roofline_engine: str | None = None, rounds: int = 4) -> dict[str, dict]:
+            roofline_engine: str | None = None, rounds: int = 2) -> dict[str, dict]:
     """Decode tokens/s per batch size at `context` and prefill tokens/s of each engine, measured in turns:
     each engine's `steps` timed steps come in `rounds` blocks, alternating with the other engines' blocks,
     so that every engine meets the same moments of a machine whose speed drifts by a third in minutes.
+    The first step after a switch of engines runs slow (kiln batch 8: ~15 %, after transformers' steps),
+    so each block starts with an untimed step.
 
     With `copy`, the `roofline_engine`'s batch 1 is also measured against the roofline step by step: each
     decode step is followed by a timed copy, and the result is the median over steps of (weight bytes /
@@ -170,10 +172,10 @@ def measure(engines: dict, batches: list[int], context: int, steps: int, copy: C
         elapsed = dict.fromkeys(engines, 0.0)
         for engine in engines.values():
             engine.start(b, context)
-            engine.step()  # first step at this size: settle caches
         for i, n in enumerate(blocks):
             order = list(engines) if i % 2 == 0 else list(engines)[::-1]
             for name in order:
+                engines[name].step()
                 elapsed[name] += sum(_timed(engines[name].step) for _ in range(n))
         for name, engine in engines.items():
             out[name]["decode_tok_s"][b] = b * steps / elapsed[name]

@@ -181,6 +181,7 @@ def measure(engines: dict, batches: list[int], context: int, steps: int, copy: C
             out[name]["decode_tok_s"][b] = b * steps / elapsed[name]
             if b == 1 and copy is not None and name == roofline_engine:
                 runner = engine.runner
+                engine.step()  # the first step after a switch runs slow
                 pairs = [(_timed(engine.step), copy.seconds()) for _ in range(steps)]
                 out[name]["batch1_roofline"] = statistics.median(runner.weight_bytes * c / (copy.moved * t) for t, c in pairs)
                 out[name]["paired_copy_GBps"] = statistics.median(copy.moved / c for _, c in pairs) / 1e9

@@ -154,6 +154,12 @@ def kiln_engine(config: EngineConfig, batch: int, context: int, prefill_len: int
     return KilnEngine(runner, prefill_len), time.perf_counter() - start
 
 
+def _turn_order(engines: dict, round_index: int) -> list[str]:
+    """Engine names in the order of this round: reversed every other round, so none always goes first."""
+    names = list(engines)
+    return names if round_index % 2 == 0 else names[::-1]
+
+
 def measure(engines: dict, batches: list[int], context: int, steps: int, copy: Copy | None = None,
             roofline_engine: str | None = None, rounds: int = 2) -> dict[str, dict]:
     """Decode tokens/s per batch size at `context` and prefill tokens/s of each engine, measured in turns:
@@ -173,8 +179,7 @@ def measure(engines: dict, batches: list[int], context: int, steps: int, copy: C
         for engine in engines.values():
             engine.start(b, context)
         for i, n in enumerate(blocks):
-            order = list(engines) if i % 2 == 0 else list(engines)[::-1]
-            for name in order:
+            for name in _turn_order(engines, i):
                 engines[name].step()
                 elapsed[name] += sum(_timed(engines[name].step) for _ in range(n))
         for name, engine in engines.items():
@@ -190,7 +195,7 @@ def measure(engines: dict, batches: list[int], context: int, steps: int, copy: C
     for engine in engines.values():
         engine.prefill()
     for i in range(3):
-        for name in (list(engines) if i % 2 == 0 else list(engines)[::-1]):
+        for name in _turn_order(engines, i):
             elapsed[name] += _timed(engines[name].prefill)
     for name, engine in engines.items():
         out[name]["prefill_tok_s"] = engine.prefill_len * 3 / elapsed[name]

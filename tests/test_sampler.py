@@ -63,6 +63,15 @@ def test_greedy_rows_take_the_argmax_beside_sampled_rows():
     assert out.token_ids[0] == logits[0].argmax() and out.token_ids[2] == logits[2].argmax()
 
 
+def test_greedy_ties_go_to_the_lowest_token_id():
+    logits = torch.zeros(3, 49152)
+    logits[0, [7, 40000]] = 5.0
+    logits[1, [30000, 30001, 2]] = 1.0
+    m = meta(3, temperature=0.0)
+    m.all_greedy = True
+    assert sample(logits, m).token_ids.tolist() == [7, 2, 0]
+
+
 def test_seeded_draws_do_not_depend_on_the_batch():
     torch.manual_seed(2)
     row = torch.randn(1, 200)

@@ -133,7 +133,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: 
         out = out.view(B, Hkv, G, D) / e.sum(dim=(1, 4))[..., None]
     else:
         k = _gather_keys(k_cache, block_tables)  # [B, Hkv, L, D]
-        v = torch.where(valid.view(B, 1, -1, 1), _gather_values(v_cache, block_tables), 0.0)
+        v = _gather_values(v_cache, block_tables).masked_fill_(~valid.view(B, 1, -1, 1), 0.0)  # a fresh copy
         scores = torch.einsum("bhgd,bhld->bhgl", q.float(), k.float()) * scale
         scores = scores.masked_fill(~valid.view(B, 1, 1, -1), float("-inf"))
         out = torch.einsum("bhgl,bhld->bhgd", scores.softmax(dim=-1), v.float())

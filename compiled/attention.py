@@ -71,7 +71,7 @@ def kv_lanes(device: torch.device, dtype: torch.dtype, block_size: int, head_dim
     """Width `c` of the slices the cache stores pages in: one vector register of `dtype`.
 
     Inductor's CPU kernels use 32-byte vectors on AVX2 and 64-byte ones on AVX-512. CUDA takes 64 bytes
-    too, which for float32 and pages of 16 keeps K as it was before the slices (unmeasured on CUDA).
+    as well, a choice not measured there. Slices never outgrow a page or a head.
     """
     vector_bytes = 32 if device.type == "cpu" and torch.backends.cpu.get_cpu_capability() != "AVX512" else 64
     return math.gcd(vector_bytes // dtype.itemsize, block_size, head_dim)

@@ -13,7 +13,8 @@ def paged_sequences(lanes: int, monkeypatch) -> tuple:
     monkeypatch.setattr(attention, "kv_lanes", lambda *a: lanes)
     torch.manual_seed(lanes)
     k_cache, v_cache = new_kv_cache(16, BS, HKV, D, torch.device("cpu"), torch.float32)
-    k_cache.fill_(float("nan")), v_cache.fill_(float("nan"))
+    k_cache.fill_(float("nan"))
+    v_cache.fill_(float("nan"))
     lens = [5, 37, 16]
     tables = torch.tensor([[3, 0, 0], [7, 1, 12], [9, 0, 0]])  # padding entries point at block 0
     ks = [torch.randn(n, HKV, D) for n in lens]

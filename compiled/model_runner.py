@@ -118,6 +118,7 @@ class ModelRunner:
         start = time.perf_counter()
         self.model = load_model(self.model_dir, self.dtype, self.device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in self.model.parameters()}.values())
+        self.model.pack_output()
         logger.info("weights: %.2f GiB %s loaded in %.1f s from %s", self.weight_bytes / 2**30,
                     str(self.dtype).removeprefix("torch."), time.perf_counter() - start, self.model_dir)
         args = self.model.args

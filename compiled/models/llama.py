@@ -224,6 +224,7 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.packed_output: Tensor | None = None  # see pack_output
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
                 block: Callable[..., Tensor] | None = None) -> Tensor:
@@ -241,7 +242,22 @@ class Transformer(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """Logits of the sampled rows: at most one per sequence, a decode batch's worth."""
+        if self.packed_output is not None and hidden.shape[0] > 1:
+            return torch.ops.mkldnn._linear_pointwise(hidden.float(), self.packed_output, None, "none", [], "")
         return self.output(hidden, weight_left=True).float()
+
+    def pack_output(self) -> None:
+        """On CPU, LM heads of several rows run through oneDNN on a copy of the weight packed once.
+
+        The LM head is the largest matmul of a decode step (SmolLM2: 49152×576). Measured on the 2-core
+        AVX2 CPU, float32, ms at 2 / 8 / 32 / 64 rows, MKL weight-left → oneDNN prepacked: 5.9 → 4.1,
+        9.3 → 6.4, 25.5 → 17.1, 29.9 → 25.3. The packed copy is float32 (on CPUs without bfloat16
+        arithmetic the matmuls run in float32 anyway, and it spares converting the weight every step);
+        one row keeps the compiled matrix-vector reduction, faster still.
+        """
+        w = self.output.weight
+        if w.device.type == "cpu" and torch.backends.mkldnn.is_available() and (w.dtype == torch.float32 or not CPU_HAS_FAST_BF16):
+            self.packed_output = torch.ops.mkldnn._reorder_linear_weight(w.detach().float(), 64)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
         for layer in self.layers:

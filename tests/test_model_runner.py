@@ -106,6 +106,15 @@ def test_bfloat16_decode_matches_transformers(tiny_llama):
     check(so)
 
 
+def test_lm_head_rows_run_on_the_packed_weight_on_cpu(tiny_llama):
+    runner = ModelRunner(EngineConfig(model=tiny_llama, dtype="float32", max_num_seqs=4, num_kv_blocks=8, enforce_eager=True))
+    assert (runner.model.packed_output is not None) == torch.backends.mkldnn.is_available()
+    hidden = torch.randn(5, 64)
+    expected = hidden @ runner.model.output.weight.T
+    torch.testing.assert_close(runner.model.compute_logits(hidden), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(runner.model.compute_logits(hidden[:1]), expected[:1], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_packed_step_logits_match_transformers_smollm2(smollm2_dir):
     check_packed_step(smollm2_dir, vocab=49152)

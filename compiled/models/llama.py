@@ -113,6 +113,11 @@ def _cpu_has_fast_bf16() -> bool:
 CPU_HAS_FAST_BF16 = _cpu_has_fast_bf16()
 
 
+def cpu_matmul_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a CPU matmul of `dtype` operands runs in: float32 where this CPU has no bfloat16 arithmetic."""
+    return dtype if dtype == torch.float32 or CPU_HAS_FAST_BF16 else torch.float32
+
+
 class Linear(nn.Linear):
     """nn.Linear with faster paths for the few rows of a decode step, and for CPUs without bfloat16 arithmetic.
 
@@ -140,7 +145,7 @@ class Linear(nn.Linear):
             x = torch.ops.prims.inductor_force_stride_order(x.float(), x.stride())
             y = (x[:, None, :] * w[None].float()).sum(-1).to(dtype)
             return y if b is None else y + b
-        if x.device.type == "cpu" and dtype != torch.float32 and not CPU_HAS_FAST_BF16:
+        if x.device.type == "cpu" and cpu_matmul_dtype(dtype) != dtype:
             x, w, b = x.float(), w.float(), None if b is None else b.float()
         if weight_left and x.device.type == "cpu":  # an MKL finding; cuBLAS is not measured
             y = (w @ x.T).T
@@ -256,7 +261,7 @@ class Transformer(nn.Module):
         one row keeps the compiled matrix-vector reduction, faster still.
         """
         w = self.output.weight
-        if w.device.type == "cpu" and torch.backends.mkldnn.is_available() and (w.dtype == torch.float32 or not CPU_HAS_FAST_BF16):
+        if w.device.type == "cpu" and torch.backends.mkldnn.is_available() and cpu_matmul_dtype(w.dtype) == torch.float32:
             # The row-count hint hardly matters: packed for 8, 32 or 64 rows, every count ran alike.
             self.packed_output = torch.ops.mkldnn._reorder_linear_weight(w.detach().float(), 64)
 

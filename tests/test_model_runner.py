@@ -144,6 +144,7 @@ def test_no_recompile_after_warmup(tiny_llama, monkeypatch):
     runner.warmup()
     assert set(runner.decode_graphs) == {True, False}  # one-row and many-row decode graphs
     assert all(isinstance(g, GuardFreeGraph) for g in runner.decode_graphs.values())
+    assert all(g.direct for g in runner.decode_graphs.values())  # straight into Inductor's modules
     torch.manual_seed(0)
     drv = MiniDriver(runner, chunk=40)
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -180,3 +181,18 @@ def test_decode_buckets():
     assert decode_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
     assert decode_buckets(100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100]
     assert decode_buckets(3) == [1, 2, 3]
+
+
+def test_decode_keeps_the_runtime_wrapper_where_inductors_module_disagrees(tiny_llama, monkeypatch, caplog):
+    from compiled import model_runner
+
+    monkeypatch.setattr(model_runner, "_inductor_module", lambda compiled_fn: lambda *args: torch.zeros(1))
+    runner = ModelRunner(EngineConfig(model=tiny_llama, dtype="float32", max_num_seqs=4, num_kv_blocks=64))
+    runner.initialize_kv_cache(64)
+    drv = MiniDriver(runner, chunk=64)
+    drv.add("a", torch.randint(0, 320, (9,)).tolist())
+    for _ in range(3):
+        drv.step()
+    assert len(drv.reqs["a"]["out"]) == 3
+    assert [g.direct for g in runner.decode_graphs.values()] == [False]
+    assert "keep AOTAutograd's runtime wrapper" in caplog.text

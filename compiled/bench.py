@@ -122,9 +122,9 @@ class TransformersEngine:
         from transformers import DynamicCache
 
         self.cache = DynamicCache()
-        with torch.no_grad():
-            logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True).logits
-        self.token = logits[:, -1:].argmax(-1)
+        with torch.no_grad():  # generate asks for the last position's logits only
+            logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits
+        self.token = logits.argmax(-1)
 
     def start(self, batch: int, context: int) -> None:
         self._prefill(torch.randint(0, self.vocab, (batch, context)))

@@ -4,8 +4,11 @@ weight once, so it cannot beat copy bandwidth ÷ weight bytes).
 
 kiln is timed through AsyncLLM's stream, from submitting the prompt to each arriving token, so TTFT
 includes everything a caller waits for (IPC, scheduling, chunked prefill, sampling). transformers is
-timed through `generate` with a streamer that stamps each token as it comes out. Each length runs one
-untimed warm-up request first; the prefix cache is reset before every request, so TTFT is a real prefill.
+timed through `generate` with a streamer that stamps each token as it comes out, in this process, on
+the engine's threads, while the engine core waits idle. The two take turns request by request (who goes
+first alternates), so that both meet the same moments of a machine whose speed drifts. Each length
+runs one untimed warm-up request first; the prefix cache is reset before every request, so TTFT is a
+real prefill.
 """
 
 from __future__ import annotations
@@ -44,25 +47,19 @@ def weight_bytes(model_dir: str, dtype: str) -> int:
     return numel * resolve_dtype(dtype, torch.device("cpu")).itemsize
 
 
-async def bench_kiln(llm, prompts: dict[int, list[list[int]]], output_len: int) -> dict:
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    result = {}
-    for n, batch in prompts.items():
-        runs = []
-        for i, prompt in enumerate(batch):
-            await llm.reset_prefix_cache()
-            start, first, first_count = time.perf_counter(), 0.0, 0
-            async for out in llm.generate(prompt, params):
-                now, count = time.perf_counter(), len(out.outputs[0].token_ids)
-                if not first_count and count:
-                    first, first_count = now, count
-            if i:  # the first request of each length is the warm-up
-                runs.append((first - start, (count - first_count) / (now - first)))
-        result[n] = _summary(runs)
-    return result
+async def kiln_request(llm, prompt: list[int], params: SamplingParams) -> tuple[float, float]:
+    """(TTFT seconds, decode tok/s) of one request through AsyncLLM's stream."""
+    await llm.reset_prefix_cache()
+    start, first, first_count = time.perf_counter(), 0.0, 0
+    async for out in llm.generate(prompt, params):
+        now, count = time.perf_counter(), len(out.outputs[0].token_ids)
+        if not first_count and count:
+            first, first_count = now, count
+    return first - start, (count - first_count) / (now - first)
 
 
-def bench_transformers(model, prompts: dict[int, list[list[int]]], output_len: int, pad_id: int) -> dict:
+def transformers_request(model, prompt: list[int], output_len: int, pad_id: int) -> tuple[float, float]:
+    """(TTFT seconds, decode tok/s) of one `generate` call, stamped token by token by a streamer."""
     import torch
     from transformers.generation.streamers import BaseStreamer
 
@@ -80,32 +77,52 @@ def bench_transformers(model, prompts: dict[int, list[list[int]]], output_len: i
         def end(self) -> None:
             pass
 
-    result = {}
+    clock, ids = Clock(), torch.tensor([prompt], device=model.device)
+    start = time.perf_counter()
     with torch.no_grad():
-        for n, batch in prompts.items():
-            runs = []
-            for i, prompt in enumerate(batch):
-                clock, ids = Clock(), torch.tensor([prompt], device=model.device)
-                start = time.perf_counter()
-                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, streamer=clock,
-                               max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=pad_id)
-                t = clock.times
-                if i:
-                    runs.append((t[0] - start, (len(t) - 1) / (t[-1] - t[0])))
-            result[n] = _summary(runs)
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, streamer=clock,
+                       max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=pad_id)
+    t = clock.times
+    return t[0] - start, (len(t) - 1) / (t[-1] - t[0])
+
+
+async def bench(llm, hf, prompts: dict[int, list[list[int]]], output_len: int, threads: int | None) -> dict:
+    """Each prompt through kiln and, with `hf`, through transformers, the engines taking turns."""
+    import torch
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    pad_id = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
+    engines = ["kiln"] + (["transformers"] if hf is not None else [])
+    result: dict[str, dict] = {name: {} for name in engines}
+    for n, batch in prompts.items():
+        runs: dict[str, list] = {name: [] for name in engines}
+        for i, prompt in enumerate(batch):
+            for name in engines if i % 2 == 0 else engines[::-1]:
+                if name == "kiln":
+                    run = await kiln_request(llm, prompt, params)
+                else:  # on the engine's threads, the front end's single one while kiln runs
+                    use_engine_threads(llm.client.ready.device, threads)
+                    run = transformers_request(hf, prompt, output_len, pad_id)
+                    torch.set_num_threads(1)
+                if i:  # the first request of each length is the warm-up
+                    runs[name].append(run)
+        for name in engines:
+            result[name][n] = _summary(runs[name])
     return result
 
 
 def run(model: str | None, engine_args: dict, input_lens: tuple[int, ...] = (128, 512, 2048), output_len: int = 128,
         iters: int = 3, seed: int = 0, compare: bool = False) -> dict:
     """kiln TTFT and decode rate per prompt length, the roofline, and (with `compare`) transformers."""
+    import torch
+
     from compiled.bench import copy_bandwidth
     from compiled.model_runner import resolve_device
     from engine.llm import AsyncLLM
 
     if output_len < 2 or iters < 1:
         raise ValueError("latency needs --output-len of at least 2 (one decode step) and --iters of at least 1")
-    # The bandwidth drifts on a shared machine: measure it just before and just after kiln's requests.
+    # The bandwidth drifts on a shared machine: measure it just before and just after the requests.
     device = str(resolve_device(engine_args.get("device", "auto")))
     use_engine_threads(device, engine_args.get("num_threads"))
     before = copy_bandwidth(device=device)
@@ -115,10 +132,12 @@ def run(model: str | None, engine_args: dict, input_lens: tuple[int, ...] = (128
             raise ValueError(f"output_len {output_len} leaves no room for a prompt in max_model_len {llm.max_model_len}")
         lens = sorted({min(n, llm.max_model_len - output_len) for n in input_lens})
         prompts = {n: token_prompts(llm.tokenizer, iters + 1, n, n, seed + n) for n in lens}
-        ready, model_dir, pad_id, threads = llm.client.ready, llm.model_dir, llm.tokenizer.pad_token_id, llm.config.num_threads
+        ready, model_dir, threads = llm.client.ready, llm.model_dir, llm.config.num_threads
+        hf = load_transformers(model_dir, ready.dtype, ready.device, threads) if compare else None
+        torch.set_num_threads(1)  # the engine core owns the cores while kiln runs
         out: dict = {"config": {"model": model_dir, "dtype": ready.dtype, "device": ready.device, "input_lens": lens,
                                 "output_len": output_len, "iters": iters, "seed": seed},
-                     "kiln": asyncio.run(bench_kiln(llm, prompts, output_len))}
+                     **asyncio.run(bench(llm, hf, prompts, output_len, threads))}
     finally:
         llm.shutdown()
     use_engine_threads(ready.device, threads)
@@ -127,9 +146,6 @@ def run(model: str | None, engine_args: dict, input_lens: tuple[int, ...] = (128
     out["copy_bandwidth_GBps_before_after"] = [before / 1e9, after / 1e9]
     out["copy_bandwidth_GBps"] = (before + after) / 2e9
     out["roofline_tok_s"] = out["copy_bandwidth_GBps"] * 1e9 / out["weight_bytes"]
-    if compare:
-        hf = load_transformers(model_dir, ready.dtype, ready.device, threads)
-        out["transformers"] = bench_transformers(hf, prompts, output_len, pad_id if pad_id is not None else 0)
     return out
 
 

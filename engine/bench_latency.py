@@ -154,7 +154,7 @@ def format_report(r: dict) -> str:
     rows = [f"latency: batch 1, {c['output_len']} output tokens, {c['iters']} timed requests per prompt length "
             f"(after one warm-up); {c['model']} {c['dtype']} on {c['device']}",
             f"copy bandwidth {r['copy_bandwidth_GBps']:.1f} GB/s (mean of {' and '.join(f'{x:.1f}' for x in r['copy_bandwidth_GBps_before_after'])}"
-            f" just before and after kiln's requests), weights {r['weight_bytes'] / 2**30:.2f} GiB "
+            f" just before and after the requests), weights {r['weight_bytes'] / 2**30:.2f} GiB "
             f"-> decode roofline {roof:.1f} tok/s",
             "| prompt tokens | engine | TTFT ms mean | TTFT ms median | decode tok/s mean | decode tok/s median "
             "| % of roofline |", "|---|---|---|---|---|---|---|"]

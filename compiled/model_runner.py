@@ -96,8 +96,7 @@ class GuardFreeGraph:
         self.guards = entry.guard_manager
         self.call = types.FunctionType(entry.code, fn.__globals__, fn.__name__)
         self.direct = False
-        compiled = {n: fn.__globals__[n] for n in entry.code.co_names if n.startswith("__compiled_fn")}
-        modules = {n: _inductor_module(c) for n, c in compiled.items()}
+        modules = {n: _inductor_module(fn.__globals__[n]) for n in entry.code.co_names if n.startswith("__compiled_fn")}
         if len(modules) == 1 and None not in modules.values():
             direct = types.FunctionType(entry.code, {**fn.__globals__, **modules}, fn.__name__)
             # Running a layer again on the same arguments writes the same K/V to the same slots.

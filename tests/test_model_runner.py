@@ -162,31 +162,20 @@ def test_no_recompile_after_warmup(tiny_llama, monkeypatch):
         runner.model(ids, pos, meta, block=runner.decode_graphs[True])
 
 
-def test_decode_keeps_guarded_calls_where_dynamo_compiled_no_graph(tiny_llama, monkeypatch, caplog):
-    from compiled import model_runner
-
-    monkeypatch.setattr(GuardFreeGraph, "lookup", classmethod(lambda cls, fn, *args: None))
-    runner = ModelRunner(EngineConfig(model=tiny_llama, dtype="float32", max_num_seqs=4, num_kv_blocks=64))
-    runner.initialize_kv_cache(64)
-    drv = MiniDriver(runner, chunk=64)
-    drv.add("a", torch.randint(0, 320, (9,)).tolist())
-    for _ in range(3):
-        drv.step()
-    assert len(drv.reqs["a"]["out"]) == 3
-    assert runner.decode_graphs == {True: model_runner._guarded_block}
-    assert "keep Dynamo's guarded calls" in caplog.text
-
-
 def test_decode_buckets():
     assert decode_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
     assert decode_buckets(100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100]
     assert decode_buckets(3) == [1, 2, 3]
 
 
-def test_decode_keeps_the_runtime_wrapper_where_inductors_module_disagrees(tiny_llama, monkeypatch, caplog):
+@pytest.mark.parametrize("fallback", ["dynamo compiled no graph", "inductor's module disagrees"])
+def test_decode_falls_back_to_the_wrapped_calls(fallback, tiny_llama, monkeypatch, caplog):
     from compiled import model_runner
 
-    monkeypatch.setattr(model_runner, "_inductor_module", lambda compiled_fn: lambda *args: torch.zeros(1))
+    if fallback == "dynamo compiled no graph":
+        monkeypatch.setattr(GuardFreeGraph, "lookup", classmethod(lambda cls, fn, *args: None))
+    else:
+        monkeypatch.setattr(model_runner, "_inductor_module", lambda compiled_fn: lambda *args: torch.zeros(1))
     runner = ModelRunner(EngineConfig(model=tiny_llama, dtype="float32", max_num_seqs=4, num_kv_blocks=64))
     runner.initialize_kv_cache(64)
     drv = MiniDriver(runner, chunk=64)
@@ -194,5 +183,9 @@ def test_decode_keeps_the_runtime_wrapper_where_inductors_module_disagrees(tiny_
     for _ in range(3):
         drv.step()
     assert len(drv.reqs["a"]["out"]) == 3
-    assert [g.direct for g in runner.decode_graphs.values()] == [False]
-    assert "keep AOTAutograd's runtime wrapper" in caplog.text
+    if fallback == "dynamo compiled no graph":
+        assert runner.decode_graphs == {True: model_runner._guarded_block}
+        assert "keep Dynamo's guarded calls" in caplog.text
+    else:
+        assert [g.direct for g in runner.decode_graphs.values()] == [False]
+        assert "keep AOTAutograd's runtime wrapper" in caplog.text

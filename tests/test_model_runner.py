@@ -1,9 +1,10 @@
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from compiled.driver import MiniDriver, chat_prompts, greedy_mismatches
-from compiled.model_runner import GuardFreeGraph, ModelRunner, decode_buckets
+from compiled.model_runner import GuardFreeGraph, ModelRunner, StepInputs, decode_buckets
 from engine.config import EngineConfig
 from engine.params import SamplingParams
 from engine.scheduler_output import NewRequestData
@@ -160,6 +161,16 @@ def test_no_recompile_after_warmup(tiny_llama, monkeypatch):
     (ids, pos), meta, _, _ = runner._prepare_inputs(two, [], {"0": 1, "1": 1})
     with pytest.raises(AssertionError, match="guards"):
         runner.model(ids, pos, meta, block=runner.decode_graphs[True])
+
+
+def test_step_inputs_are_written_in_place_and_grow():
+    inputs = StepInputs(torch.device("cpu"))
+    first = inputs.put("x", [1, 2, 3])
+    second = inputs.put("x", np.array([[4, 5], [6, 7]]))
+    assert second.tolist() == [[4, 5], [6, 7]]
+    assert second.data_ptr() == first.data_ptr() and first.tolist() == [4, 5, 6]  # one buffer, rewritten
+    assert inputs.put("x", list(range(1000))).tolist() == list(range(1000))  # past the buffer: it grows
+    assert inputs.put("y", []).shape == (0,) and inputs.put("z", np.zeros((0, 2))).shape == (0, 2)
 
 
 def test_decode_buckets():

@@ -141,8 +141,8 @@ class StepInputs:
     """The persistent buffers a step's inputs are written into, in place: one int64 host tensor per input,
     filled through its numpy view; on CUDA the host tensor is pinned and copied, without blocking, into
     a device tensor of the same size. The runner hands the model leading slices of these, viewed to the
-    step's shapes, so no step allocates an input tensor or copies one from pageable memory. A buffer
-    grows (doubling) only when a step needs more than it holds.
+    step's shapes, so no step allocates memory for its inputs or copies them from pageable memory. A
+    buffer grows (doubling) only when a step needs more than it holds.
     Invariants: an input is valid until the next `put` of its name; on CUDA a host buffer is rewritten
     only after the copy out of it has completed (an event per buffer).
     """

@@ -126,12 +126,15 @@ class Linear(nn.Linear):
       BLAS at about 15. Its input is materialised once, in float32, before the reduction: left to
       fuse, Inductor recomputes the RMSNorm (and, in bfloat16, the conversions) for every weight row.
       bfloat16, per layer: 653 → 423 µs (FFN up-projection 350 → 159 µs); float32 unchanged.
-    - One row of half-precision weights on CPU: widening each slice to float32 lengthens every step
-      of a row's reduction chain, which then runs below memory speed. The rows are reduced in
-      `matvec_row_blocks` blocks side by side (Inductor fuses reductions of the same input into one
-      loop, an accumulator each). bfloat16 matrix-vector products alone, 1 → 4 blocks: 13-17 → 17-22
-      GB/s; batch-1 decode steps 17.9-21.5 → 15.8-17.3 ms (three alternations). In float32 the
-      single chain keeps up with memory and the blocks cost 10-20 %.
+    - One row on CPU: the rows are reduced in `matvec_row_blocks` blocks side by side (Inductor fuses
+      reductions of the same input into one loop, an accumulator each), so each thread streams four
+      places of the weight at once and each row's chain of additions has three others beside it.
+      bfloat16, where widening each slice lengthens every step of a chain: products alone, 1 → 4
+      blocks, 13-17 → 17-22 GB/s; batch-1 decode steps 17.9-21.5 → 15.8-17.3 ms (three alternations);
+      8 blocks lost to 4 (58-64 vs 62-69 % of the roofline, three alternations). float32: alone, a
+      product streams as fast with one block, but in a layer each product waits for the one before
+      and starts its streams cold: batch-1 steps went from 68-72 % to 83-87 % of the roofline with 4
+      blocks (six alternating processes, copies at ~31 GB/s; 2 blocks 71-79 %, 8 blocks 79-84 %).
     - A decode batch (`weight_left`): MKL's sgemm is much faster with the weight as its left operand,
       (W @ xᵀ)ᵀ, than as F.linear's transposed right one. FFN up-projection (3072×576), 2 rows: 24.6
       vs 8.5 GB/s of weight; 8 rows: 13.2 vs 7.4; 64 rows: 149 vs 94 GFLOP/s; LM head (49152×576),
@@ -151,7 +154,7 @@ class Linear(nn.Linear):
         w, b, dtype = self.weight, self.bias, x.dtype
         if torch.compiler.is_compiling() and x.shape[0] == 1:
             x = torch.ops.prims.inductor_force_stride_order(x.float(), x.stride())
-            blocks = self.matvec_row_blocks if w.dtype != torch.float32 and x.device.type == "cpu" else 1
+            blocks = self.matvec_row_blocks if x.device.type == "cpu" else 1  # not measured on CUDA
             n = -(-w.shape[0] // blocks)
             y = torch.cat([(x[:, None, :] * w[None, i : i + n].float()).sum(-1) for i in range(0, w.shape[0], n)], -1)
             y = y.to(dtype)

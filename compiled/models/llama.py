@@ -134,7 +134,7 @@ class Linear(nn.Linear):
       8 blocks lost to 4 (58-64 vs 62-69 % of the roofline, three alternations). float32: alone, a
       product streams as fast with one block, but in a layer each product waits for the one before
       and starts its streams cold: batch-1 steps went from 68-72 % to 83-87 % of the roofline with 4
-      blocks (six alternating processes, copies at ~31 GB/s; 2 blocks 71-79 %, 8 blocks 79-84 %).
+      blocks (six alternating processes, each step paired with a copy; 2 blocks 71-79 %, 8 blocks 79-84 %).
     - A decode batch (`weight_left`): MKL's sgemm is much faster with the weight as its left operand,
       (W @ xᵀ)ᵀ, than as F.linear's transposed right one. FFN up-projection (3072×576), 2 rows: 24.6
       vs 8.5 GB/s of weight; 8 rows: 13.2 vs 7.4; 64 rows: 149 vs 94 GFLOP/s; LM head (49152×576),

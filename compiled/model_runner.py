@@ -201,7 +201,6 @@ class ModelRunner:
         # One block-table row per live request, plus a last all-zero row for padding tokens.
         self.table_width = max(self.max_blocks_per_seq, 2)
         self.block_table = torch.zeros(config.max_num_seqs + 1, self.table_width, dtype=torch.int64)
-        self.block_table_np = self.block_table.numpy()
         self.inputs = StepInputs(self.device)
         self.null_row = config.max_num_seqs
         self.free_rows = list(range(config.max_num_seqs - 1, -1, -1))
@@ -460,7 +459,7 @@ class ModelRunner:
                 sampled.append(s)
         out_index = [p * q_max + j for p, n in enumerate(chunk_lens) for j in range(n)]
 
-        rows_a, pos_a, table, put = np.array(rows), np.array(positions), self.block_table_np, self.inputs.put
+        rows_a, pos_a, table, put = np.array(rows), np.array(positions), self.block_table.numpy(), self.inputs.put
         chunk_rows = [s.row for s in chunks]
         meta = AttentionMetadata(
             slot_mapping=put("slot_mapping", table[rows_a, pos_a // bs] * bs + pos_a % bs),

@@ -3,16 +3,10 @@
 Layout: one K and one V tensor per layer; a token at position p of a sequence lives in slot
 `block_table[p // block_size] * block_size + p % block_size` of its layer's cache. Each page holds
 its heads one after the other, and each head in slices `c` floats wide, one vector register
-(`kv_lanes`: 8 on AVX2, 16 on AVX-512): K is `[num_blocks, n_kv_heads, block_size / c, head_dim, c]`,
-V is `[num_blocks, n_kv_heads, head_dim / c, block_size, c]`. Every inner loop of the decode
-kernels below then walks contiguous memory: the score reduction over head_dim with a page's
-positions in the vector lanes, the P·V reduction over positions with head_dim in the lanes.
-Decode attention alone, 2 threads, float32, page 16, AVX2 CPU, each call on a cold cache of its
-own, batch×context, ms: the previous layout (K `[blocks, heads, head_dim, block_size]`, V
-token-major `[blocks, block_size, heads, head_dim]`) and formulation → this one: 1×512 0.156 →
-0.147, 1×2048 0.394 → 0.311, 8×512 0.655 → 0.451, 32×512 2.26 → 1.50, 64×512 4.76 → 2.85,
-16×2048 4.80 → 2.94. (Of that, V head-major alone gave 10 %, V in lane slices 20 %, K in lane
-slices 5 %, and one loop per K/V head for its whole query group 12 %.)
+(`kv_lanes`): K is `[num_blocks, n_kv_heads, block_size / c, head_dim, c]`, V is
+`[num_blocks, n_kv_heads, head_dim / c, block_size, c]`, so every inner loop of the decode kernels
+walks contiguous memory (the score reduction with a page's positions in the vector lanes, the P·V
+reduction with head_dim in the lanes). Layouts and formulations compared: BENCHMARKS.md.
 Block 0 is the null block: padding tokens write there and padded block-table entries point there.
 The cache is allocated uninitialised (no start-up pass over gigabytes), so every read masks the
 slots a sequence has not written.
@@ -21,20 +15,10 @@ A packed step is split by shape, not by phase: the first `Bd` tokens are sequenc
 one query (decodes, and a prefill whose last token is all that is left), the rest are the query
 tokens of `P` multi-token chunks (fresh prefills, or chunks continuing after cached context).
 
-- Single-query rows use a gather + reduction formulation: scores are `(q * K).sum(head_dim)` and
-  the output `(p * V).sum(keys)` over `k_cache[block_tables]`. Compiled, Inductor fuses the indirect
-  loads into the reductions and never materialises the gathered K/V. Measured on this project's
-  2-core CPU (1 thread, float32, page 16, decode attention alone, ms/call): batch×context
-  1×512: 0.12 vs FlexAttention 0.15 (GQA folded) and 0.30 for SDPA over gathered K/V;
-  16×2048: 8.4 vs 5.0 vs 20.1; 64×512: 8.2 vs 4.6 vs 31.6; whole-model decode float32 batch 32:
-  173–194 tok/s vs 131 tok/s with FlexAttention, which also took ~5× longer to compile
-  (~200 s vs ~35 s) and failed to build with dynamic shapes on CPU (all before the layout above,
-  which made the reduction 1.1–1.7× faster). Eagerly the same reduction would materialise a
-  [Bd, L, heads, head_dim] product, so eager mode uses matmuls instead.
-  Each query head of a GQA group is its own reduction: Inductor fuses reductions over the same
-  loads into one loop with an accumulator each, so a K or V slice is loaded once for the whole
-  group, and the P·V reduction runs over all keys of a sequence at once, on unnormalised
-  exponentials divided once at the end.
+- Single-query rows: a gather + reduction formulation when compiled (`decode_attention_reduction`):
+  Inductor fuses the indirect loads into the reductions, and each query head of a GQA group is its
+  own reduction over the same loads, so a K or V slice is loaded once for the whole group; matmuls
+  over gathered K/V eagerly (`decode_attention_matmul`). The compile policy picks one.
 - Multi-token chunks gather their sequence's K/V (context and the chunk itself, already written)
   into a padded [P, L] batch and run SDPA with a causal-by-position mask: prefill is compute-bound
   and SDPA's matmuls beat any reduction there; the few chunks per step keep the padding small.
@@ -43,6 +27,7 @@ tokens of `P` multi-token chunks (fresh prefills, or chunks continuing after cac
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -65,6 +50,9 @@ class AttentionMetadata(NamedTuple):
     def decode_only(self) -> bool:
         """Every token is its sequence's single query (no multi-token chunk): a decode batch."""
         return self.prefill_block_tables.shape[0] == 0
+
+
+DecodeAttention = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]
 
 
 def kv_lanes(device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int) -> int:
@@ -114,29 +102,44 @@ def _gather_values(v_cache: Tensor, block_tables: Tensor) -> Tensor:
     return v_cache[block_tables].permute(0, 2, 1, 4, 3, 5).reshape(B, Hkv, W * bs, n * c)
 
 
-def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
-    """One query per row: q [B, H, D] -> [B, H, D]."""
+def _decode_setup(q: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor):
     B, H, D = q.shape
     W, (Hkv, bs) = block_tables.shape[1], v_cache.shape[1:4:2]
-    G = H // Hkv
-    q = q.view(B, Hkv, G, D)  # fold the GQA group next to its KV head
     valid = (torch.arange(W * bs, device=q.device)[None, :] < seq_lens[:, None]).view(B, W, bs)
-    if torch.compiler.is_compiling():
-        k = k_cache[block_tables].float()  # [B, W, Hkv, bs/c, D, c]
-        v = v_cache[block_tables]  # [B, W, Hkv, D/c, bs, c]
-        v = torch.where(valid[:, :, None, None, :, None], v, 0.0).float()  # unwritten slots may hold anything, NaN included
-        qf = q.float()
-        scores = torch.stack([(qf[:, None, :, g, None, :, None] * k).sum(4) for g in range(G)], 3) * scale
-        scores = scores.view(B, W, Hkv, G, bs).masked_fill(~valid[:, :, None, None, :], float("-inf"))
-        e = (scores - scores.amax(dim=(1, 4), keepdim=True)).exp()  # [B, W, Hkv, G, bs]
-        out = torch.stack([(e[:, :, :, g, None, :, None] * v).sum(dim=(1, 4)) for g in range(G)], 2)  # [B, Hkv, G, D/c, c]
-        out = out.view(B, Hkv, G, D) / e.sum(dim=(1, 4))[..., None]
-    else:
-        k = _gather_keys(k_cache, block_tables)  # [B, Hkv, L, D]
-        v = _gather_values(v_cache, block_tables).masked_fill_(~valid.view(B, 1, -1, 1), 0.0)  # a fresh copy
-        scores = torch.einsum("bhgd,bhld->bhgl", q.float(), k.float()) * scale
-        scores = scores.masked_fill(~valid.view(B, 1, 1, -1), float("-inf"))
-        out = torch.einsum("bhgl,bhld->bhgd", scores.softmax(dim=-1), v.float())
+    return q.view(B, Hkv, H // Hkv, D), valid  # the GQA group folded next to its KV head
+
+
+def decode_attention_reduction(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                               scale: float) -> Tensor:
+    """One query per row, q [B, H, D] -> [B, H, D], as reductions over the pages in place: compiled,
+    Inductor fuses the indirect loads into them and never materialises the gathered K/V (eagerly this
+    would build a [B, W, Hkv, bs, D] product)."""
+    B, H, D = q.shape
+    q, valid = _decode_setup(q, v_cache, block_tables, seq_lens)
+    Hkv, G, bs = q.shape[1], q.shape[2], v_cache.shape[3]
+    W = block_tables.shape[1]
+    k = k_cache[block_tables].float()  # [B, W, Hkv, bs/c, D, c]
+    v = v_cache[block_tables]  # [B, W, Hkv, D/c, bs, c]
+    v = torch.where(valid[:, :, None, None, :, None], v, 0.0).float()  # unwritten slots may hold NaN
+    qf = q.float()
+    scores = torch.stack([(qf[:, None, :, g, None, :, None] * k).sum(4) for g in range(G)], 3) * scale
+    scores = scores.view(B, W, Hkv, G, bs).masked_fill(~valid[:, :, None, None, :], float("-inf"))
+    e = (scores - scores.amax(dim=(1, 4), keepdim=True)).exp()  # [B, W, Hkv, G, bs]
+    out = torch.stack([(e[:, :, :, g, None, :, None] * v).sum(dim=(1, 4)) for g in range(G)], 2)  # [B, Hkv, G, D/c, c]
+    out = out.view(B, Hkv, G, D) / e.sum(dim=(1, 4))[..., None]
+    return out.to(q.dtype).reshape(B, H, D)
+
+
+def decode_attention_matmul(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                            scale: float) -> Tensor:
+    """The same as `decode_attention_reduction`, over gathered K/V with matmuls: the eager formulation."""
+    B, H, D = q.shape
+    q, valid = _decode_setup(q, v_cache, block_tables, seq_lens)
+    k = _gather_keys(k_cache, block_tables)  # [B, Hkv, L, D]
+    v = _gather_values(v_cache, block_tables).masked_fill_(~valid.view(B, 1, -1, 1), 0.0)  # a fresh copy
+    scores = torch.einsum("bhgd,bhld->bhgl", q.float(), k.float()) * scale
+    scores = scores.masked_fill(~valid.view(B, 1, 1, -1), float("-inf"))
+    out = torch.einsum("bhgl,bhld->bhgd", scores.softmax(dim=-1), v.float())
     return out.to(q.dtype).reshape(B, H, D)
 
 
@@ -155,12 +158,13 @@ def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attenti
     return out.transpose(1, 2).reshape(P * Qp, H, D)[meta.prefill_out_index]
 
 
-def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float,
+                    decode: DecodeAttention = decode_attention_matmul) -> Tensor:
     """Attention for a packed step, after its K/V were written: q [T, H, D] -> [T, H, D]."""
     Bd = meta.decode_block_tables.shape[0]
     parts = []
     if Bd > 0:
-        parts.append(decode_attention(q[:Bd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale))
+        parts.append(decode(q[:Bd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale))
     if meta.prefill_block_tables.shape[0] > 0:
         parts.append(prefill_attention(q, k_cache, v_cache, meta, scale))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

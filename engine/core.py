@@ -1,9 +1,9 @@
 """The engine core: a busy loop in its own process that owns the scheduler and the KV cache.
 
-Each iteration: drain new requests and aborts → Scheduler.schedule() → ModelRunner.execute_model()
+Each iteration: drain new requests and aborts → Scheduler.schedule() → Executor.execute_model()
 → Scheduler.update_from_output() → send outputs. With nothing to do it blocks on its input socket.
 The front end starts it as `python -m engine.core IN OUT` (a fresh interpreter, never a fork) and
-sends StartCore first; every message is msgpack (engine/protocol.py).
+sends StartCore first; every message is msgpack (engine/messages.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig
-from engine.protocol import (
+from engine.executor import Executor, import_worker_module
+from engine.messages import (
     AbortRequests,
     CoreFailed,
     CoreInput,
@@ -43,25 +44,20 @@ STATS_INTERVAL_S = 5.0
 
 
 class EngineCore:
-    """Scheduler + model runner, stepping together; no I/O (EngineCoreProc adds that)."""
+    """Scheduler + executor, stepping together; no I/O (EngineCoreProc adds that)."""
 
     UTILITIES = ("stats", "reset_prefix_cache")
 
-    def __init__(self, config: EngineConfig, model_dir: str) -> None:
-        from compiled.model_runner import ModelRunner  # torch is imported only in this process
-
+    def __init__(self, config: EngineConfig, model_dir: str, gguf_file: str | None = None) -> None:
         logger.info("engine config: %s", msgspec.json.encode(config).decode())
-        self.config = msgspec.structs.replace(config, model=model_dir)
-        self.runner = ModelRunner(self.config)
+        self.executor = Executor(config, model_dir, gguf_file)
+        self.config = c = self.executor.config
         start = time.perf_counter()
-        num_blocks = self.runner.determine_num_blocks()
-        self.runner.initialize_kv_cache(num_blocks)
-        self.runner.warmup()
+        self.num_blocks = self.executor.initialize()
         logger.info("engine ready in %.1f s after loading weights", time.perf_counter() - start)
-        c = self.config
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
-            max_model_len=self.runner.max_model_len, block_size=c.block_size, num_blocks=num_blocks,
+            max_model_len=self.executor.max_model_len, block_size=c.block_size, num_blocks=self.num_blocks,
             enable_prefix_caching=c.enable_prefix_caching, enable_chunked_prefill=c.enable_chunked_prefill,
             long_prefill_token_threshold=c.long_prefill_token_threshold,
             max_num_batched_tokens_decoding=c.max_num_batched_tokens_decoding))
@@ -70,8 +66,8 @@ class EngineCore:
         self._last_stats = time.monotonic()
 
     def ready_message(self) -> CoreReady:
-        r = self.runner
-        return CoreReady(r.num_blocks, r.max_model_len, r.block_size, str(r.dtype).removeprefix("torch."), str(r.device))
+        e = self.executor
+        return CoreReady(self.config, self.num_blocks, e.max_model_len, e.dtype, e.device)
 
     def add_request(self, req: EngineCoreRequest) -> EngineCoreOutput | None:
         """Queue a request; a request that can never run is finished at once ("abort", reason in stop_reason)."""
@@ -91,12 +87,12 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         so = self.scheduler.schedule()
         if so.is_empty:
-            self.runner.execute_model(so)  # still drops the state of requests finished since the last step
+            self.executor.execute_model(so)  # still drops the state of requests finished since the last step
             return []
         now = time.time()
         for new in so.new_reqs:
             self.scheduled_time.setdefault(new.req_id, now)
-        runner_output = self.runner.execute_model(so)
+        runner_output = self.executor.execute_model(so)
         outputs = self.scheduler.update_from_output(so, runner_output)
         # Multi-token chunks are prompt work (or recomputation after a preemption).
         self._tokens[0] += sum(n for n in so.num_scheduled_tokens.values() if n > 1)
@@ -144,11 +140,11 @@ class EngineCoreProc:
 
     def run(self) -> None:
         try:
-            _import_model_side()
+            import_worker_module()  # seconds of imports that overlap the front end's own start
             start = self.decoder.decode(self.input.recv())
             if not isinstance(start, StartCore):
                 raise RuntimeError(f"expected StartCore first, got {type(start).__name__}")
-            self.core = EngineCore(start.config, start.model_dir)
+            self.core = EngineCore(start.config, start.model_dir, start.gguf_file)
         except Exception as e:
             logger.exception("engine core failed to start")
             self.send(CoreFailed(f"engine core failed to start: {type(e).__name__}: {e}"))
@@ -200,16 +196,6 @@ class EngineCoreProc:
             return UtilityResult(call.call_id, getattr(self.core, call.method)(*call.args))
         except Exception as e:  # a failed utility call must not take the engine down
             return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
-
-
-def _import_model_side() -> None:
-    """Import what EngineCore needs before StartCore arrives: ~4 s of imports (torch, Dynamo and
-    Inductor, transformers' configs) then overlap the front end's own start instead of following it."""
-    import torch._dynamo
-    import torch._inductor.compile_fx  # noqa: F401  (what torch.compile imports on first use)
-    from transformers import AutoConfig  # noqa: F401
-
-    import compiled.model_runner  # noqa: F401
 
 
 def _die_with_parent() -> None:

@@ -21,9 +21,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine.kv_cache_manager import KVCacheManager
-from engine.protocol import EngineCoreOutput
+from engine.messages import EngineCoreOutput
 from engine.request import Request, RequestStatus
-from engine.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from engine.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 
 @dataclass(kw_only=True)

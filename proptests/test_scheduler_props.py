@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from engine.params import SamplingParams
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.scheduler_output import ModelRunnerOutput
+from engine.step import ModelRunnerOutput
 
 EOS = 0
 STOP_IDS = [3, 4]

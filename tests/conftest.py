@@ -53,9 +53,9 @@ def tiny_llama(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
-    from compiled.loader import resolve_model
+    from server.bench.driver import model_dir
 
-    return resolve_model(None)
+    return model_dir(None)
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from engine.llm import AsyncLLM
+from engine.async_llm import AsyncLLM
 from engine.params import SamplingParams
 from tests.conftest import engine_core_children
 

@@ -2,7 +2,14 @@ import pytest
 import torch
 
 from compiled import attention
-from compiled.attention import _gather_keys, _gather_values, decode_attention, new_kv_cache, write_kv
+from compiled.attention import (
+    _gather_keys,
+    _gather_values,
+    decode_attention_matmul,
+    decode_attention_reduction,
+    new_kv_cache,
+    write_kv,
+)
 
 B, H, HKV, D, BS = 3, 6, 2, 32, 16
 
@@ -49,7 +56,9 @@ def test_decode_attention_matches_a_plain_softmax_whatever_the_slice_width(lanes
     k_cache, v_cache, tables, lens, ks, vs = paged_sequences(lanes, monkeypatch)
     q = torch.randn(B, H, D)
     expected = reference(q, ks, vs)
-    eager = decode_attention(q, k_cache, v_cache, tables, lens, D**-0.5)
+    eager = decode_attention_matmul(q, k_cache, v_cache, tables, lens, D**-0.5)
     torch.testing.assert_close(eager, expected, rtol=1e-5, atol=1e-5)
-    compiled = torch.compile(decode_attention, dynamic=False)(q, k_cache, v_cache, tables, lens, D**-0.5)
+    reduction = decode_attention_reduction(q, k_cache, v_cache, tables, lens, D**-0.5)
+    torch.testing.assert_close(reduction, expected, rtol=1e-5, atol=1e-5)
+    compiled = torch.compile(decode_attention_reduction, dynamic=False)(q, k_cache, v_cache, tables, lens, D**-0.5)
     torch.testing.assert_close(compiled, expected, rtol=1e-5, atol=1e-5)

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from compiled import bench
-from server import bench_serve
+from server.bench import runner as bench
+from server.bench import serve as bench_serve
 from server.cli import main
 
 
@@ -84,8 +84,8 @@ TINY_LOAD = ["--num-prompts", "4", "--input-len-min", "8", "--input-len-max", "2
 
 
 def test_bench_prompts_are_seeded_windows_of_the_asked_lengths(tiny_chat_model, tmp_path):
-    from compiled.loader import load_tokenizer
-    from engine.bench_prompts import dataset_prompts, token_prompts
+    from engine.model_files import load_tokenizer
+    from server.bench.prompts import dataset_prompts, token_prompts
 
     tok = load_tokenizer(tiny_chat_model)
     prompts = token_prompts(tok, 16, 8, 24, seed=1)
@@ -176,6 +176,6 @@ def test_gpu_check_refuses_cpu_only_machine_clearly(tiny_chat_model):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        from compiled import gpu_check
+        from server.bench import gpu_check
 
         gpu_check.run(tiny_chat_model)

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from compiled.driver import hf_greedy
-from engine.client import EngineDeadError
+from engine.errors import EngineDeadError, InvalidRequestError
 from engine.llm import LLM
-from engine.output_processor import InvalidRequestError
 from engine.params import SamplingParams
+from server.bench.driver import hf_greedy
 from tests.conftest import engine_core_children
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)

@@ -3,33 +3,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from compiled.driver import MiniDriver, chat_prompts, greedy_mismatches
-from compiled.model_runner import GuardFreeGraph, ModelRunner, StepInputs, decode_buckets
-from engine.config import EngineConfig
+from compiled import compile_policy, guard_free
+from compiled.guard_free import GuardFreeGraph
+from compiled.input_batch import StepInputs, decode_buckets
+from compiled.model_runner import ModelRunner
 from engine.params import SamplingParams
-from engine.scheduler_output import NewRequestData
+from engine.step import NewRequestData
+from server.bench.driver import RunnerDriver, build_runner, chat_prompts, greedy_mismatches
 
 
 def hf_model(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def step_logits(runner: ModelRunner, so) -> dict[str, torch.Tensor]:
-    """Logits of every token the step computes, keyed by request, in position order."""
-    runner._update_states(so)
-    states = [runner.requests[rid] for rid in so.num_scheduled_tokens]
-    singles = [s for s in states if so.num_scheduled_tokens[s.req_id] == 1]
-    chunks = [s for s in states if so.num_scheduled_tokens[s.req_id] > 1]
-    (ids, pos), meta, _, _ = runner._prepare_inputs(singles, chunks, so.num_scheduled_tokens)
-    with torch.no_grad():
-        logits = runner.model.compute_logits(runner.model(ids, pos, meta))
-    out = {s.req_id: logits[i : i + 1] for i, s in enumerate(singles)}
-    offset = meta.decode_block_tables.shape[0]  # past the padding rows
-    for s in chunks:
-        n = so.num_scheduled_tokens[s.req_id]
-        out[s.req_id] = logits[offset : offset + n]
-        offset += n
-    return out
 
 
 def poison_kv_cache(runner: ModelRunner) -> None:
@@ -41,12 +25,12 @@ def poison_kv_cache(runner: ModelRunner) -> None:
 
 def check_packed_step(model_dir: str, vocab: int, block_size: int = 4) -> None:
     torch.manual_seed(1)
-    runner = ModelRunner(EngineConfig(model=model_dir, dtype="float32", block_size=8 if block_size == 8 else 16,
-                                      max_num_seqs=8, num_kv_blocks=256, enforce_eager=True))
+    runner = build_runner(model_dir, dtype="float32", block_size=8 if block_size == 8 else 16, max_num_seqs=8,
+                          num_kv_blocks=256, enforce_eager=True)
     runner.initialize_kv_cache(256)
     poison_kv_cache(runner)
     bs = runner.block_size
-    drv = MiniDriver(runner, chunk=2 * bs)
+    drv = RunnerDriver(runner, chunk=2 * bs)
     prompts = {rid: torch.randint(0, vocab, (n,)).tolist() for rid, n in
                [("chunked", 5 * bs + 3), ("decode", 7), ("one", 1), ("fresh", 2 * bs - 3)]}
     for rid in ("chunked", "decode", "one"):
@@ -64,11 +48,11 @@ def check_packed_step(model_dir: str, vocab: int, block_size: int = 4) -> None:
                                       2 * bs, 0))
     so.num_scheduled_tokens["hit"] = bs + 5
     so.total_num_scheduled_tokens = sum(so.num_scheduled_tokens.values())
-    ours = step_logits(runner, so)
+    ours = drv.logits(so)
     hf = hf_model(model_dir)
     seqs = {rid: r["tokens"] for rid, r in drv.reqs.items()} | {"hit": hit_prompt}
     computed = {rid: r["computed"] for rid, r in drv.reqs.items()} | {"hit": 2 * bs}
-    assert {s.req_id for s in runner.requests.values()} == set(seqs)
+    assert {s.req_id for s in runner.batch.requests.values()} == set(seqs)
     for rid, logits in ours.items():
         start, n = computed[rid], so.num_scheduled_tokens[rid]
         with torch.no_grad():
@@ -84,13 +68,13 @@ def test_packed_step_logits_match_transformers(tiny_model):
 def test_bfloat16_decode_matches_transformers(tiny_llama):
     """bfloat16 decode graphs: one sequence (matrix-vector reductions), then two (matmuls); prefill between."""
     torch.manual_seed(2)
-    runner = ModelRunner(EngineConfig(model=tiny_llama, dtype="bfloat16", max_num_seqs=4, num_kv_blocks=64))
+    runner = build_runner(tiny_llama, dtype="bfloat16", max_num_seqs=4, num_kv_blocks=64)
     runner.initialize_kv_cache(64)
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16).eval()
-    drv = MiniDriver(runner, chunk=64)
+    drv = RunnerDriver(runner, chunk=64)
 
     def check(so) -> None:
-        for rid, logits in step_logits(runner, so).items():
+        for rid, logits in drv.logits(so).items():
             tokens = drv.reqs[rid]["tokens"][: drv.reqs[rid]["computed"] + 1]
             with torch.no_grad():
                 ref = hf(torch.tensor([tokens])).logits[0, -1:].float()
@@ -108,7 +92,7 @@ def test_bfloat16_decode_matches_transformers(tiny_llama):
 
 
 def test_lm_head_rows_run_on_the_packed_weight_on_cpu(tiny_llama):
-    runner = ModelRunner(EngineConfig(model=tiny_llama, dtype="float32", max_num_seqs=4, num_kv_blocks=8, enforce_eager=True))
+    runner = build_runner(tiny_llama, dtype="float32", max_num_seqs=4, num_kv_blocks=8, enforce_eager=True)
     assert (runner.model.packed_output is not None) == torch.backends.mkldnn.is_available()
     hidden = torch.randn(5, 64)
     expected = hidden @ runner.model.output.weight.T
@@ -128,8 +112,8 @@ def test_greedy_generation_matches_transformers_smollm2(smollm2_dir, smollm2_hf,
 
     prompts = chat_prompts(AutoTokenizer.from_pretrained(smollm2_dir), 9)
     torch._dynamo.reset()  # graphs other tests compiled count against Dynamo's recompile limit
-    runner = ModelRunner(EngineConfig(model=smollm2_dir, dtype="float32", max_num_seqs=16, num_kv_blocks=128,
-                                      max_num_batched_tokens=64, enforce_eager=enforce_eager))
+    runner = build_runner(smollm2_dir, dtype="float32", max_num_seqs=16, num_kv_blocks=128,
+                          max_num_batched_tokens=64, enforce_eager=enforce_eager)
     runner.initialize_kv_cache(128)
     poison_kv_cache(runner)
     assert greedy_mismatches(runner, smollm2_hf, prompts) == []
@@ -139,15 +123,16 @@ def test_no_recompile_after_warmup(tiny_llama, monkeypatch):
     # Decode steps skip Dynamo's guards after the warm-up: check them anyway, on every call.
     monkeypatch.setattr(GuardFreeGraph, "check_guards", True)
     torch._dynamo.reset()  # graphs other tests compiled count against Dynamo's recompile limit
-    runner = ModelRunner(EngineConfig(model=tiny_llama, dtype="float32", max_num_seqs=12, num_kv_blocks=512,
-                                      max_num_batched_tokens=64, max_model_len=256))
+    runner = build_runner(tiny_llama, dtype="float32", max_num_seqs=12, num_kv_blocks=512,
+                          max_num_batched_tokens=64, max_model_len=256)
     runner.initialize_kv_cache(512)
     runner.warmup()
-    assert set(runner.decode_graphs) == {True, False}  # one-row and many-row decode graphs
-    assert all(isinstance(g, GuardFreeGraph) for g in runner.decode_graphs.values())
-    assert all(g.direct for g in runner.decode_graphs.values())  # straight into Inductor's modules
+    graphs = runner.policy.decode_graphs
+    assert set(graphs) == {True, False}  # one-row and many-row decode graphs
+    assert all(isinstance(g, GuardFreeGraph) for g in graphs.values())
+    assert all(g.direct for g in graphs.values())  # straight into Inductor's modules
     torch.manual_seed(0)
-    drv = MiniDriver(runner, chunk=40)
+    drv = RunnerDriver(runner, chunk=40)
     with torch._dynamo.config.patch(error_on_recompile=True):
         for i in range(12):  # each new prompt prefills beside the running decodes: mixed steps
             drv.add(str(i), torch.randint(0, 320, (3 + 7 * i,)).tolist())
@@ -157,10 +142,10 @@ def test_no_recompile_after_warmup(tiny_llama, monkeypatch):
                 drv.step([str(i) for i in range(b)])
     assert all(len(r["out"]) >= 1 for r in drv.reqs.values())
     # The check can fail: the one-row graph's guards refuse a two-row step.
-    two = [runner.requests["0"], runner.requests["1"]]
-    (ids, pos), meta, _, _ = runner._prepare_inputs(two, [], {"0": 1, "1": 1})
+    two = [runner.batch.requests["0"], runner.batch.requests["1"]]
+    step = runner.batch.prepare(two, [], {"0": 1, "1": 1})
     with pytest.raises(AssertionError, match="guards"):
-        runner.model(ids, pos, meta, block=runner.decode_graphs[True])
+        runner.model(step.token_ids, step.positions, step.meta, block=graphs[True])
 
 
 def test_step_inputs_are_written_in_place_and_grow():
@@ -181,22 +166,53 @@ def test_decode_buckets():
 
 @pytest.mark.parametrize("fallback", ["dynamo compiled no graph", "inductor's module disagrees"])
 def test_decode_falls_back_to_the_wrapped_calls(fallback, tiny_llama, monkeypatch, caplog):
-    from compiled import model_runner
-
     if fallback == "dynamo compiled no graph":
         monkeypatch.setattr(GuardFreeGraph, "lookup", classmethod(lambda cls, fn, *args: None))
     else:
-        monkeypatch.setattr(model_runner, "_inductor_module", lambda compiled_fn: lambda *args: torch.zeros(1))
-    runner = ModelRunner(EngineConfig(model=tiny_llama, dtype="float32", max_num_seqs=4, num_kv_blocks=64))
+        monkeypatch.setattr(guard_free, "_inductor_module", lambda compiled_fn: lambda *args: torch.zeros(1))
+    runner = build_runner(tiny_llama, dtype="float32", max_num_seqs=4, num_kv_blocks=64)
     runner.initialize_kv_cache(64)
-    drv = MiniDriver(runner, chunk=64)
+    drv = RunnerDriver(runner, chunk=64)
     drv.add("a", torch.randint(0, 320, (9,)).tolist())
     for _ in range(3):
         drv.step()
     assert len(drv.reqs["a"]["out"]) == 3
     if fallback == "dynamo compiled no graph":
-        assert runner.decode_graphs == {True: model_runner._guarded_block}
+        assert runner.policy.decode_graphs == {True: compile_policy._guarded_block}
         assert "keep Dynamo's guarded calls" in caplog.text
     else:
-        assert [g.direct for g in runner.decode_graphs.values()] == [False]
+        assert [g.direct for g in runner.policy.decode_graphs.values()] == [False]
         assert "keep AOTAutograd's runtime wrapper" in caplog.text
+
+
+def test_the_direct_call_self_check_catches_a_lost_kv_write(tiny_llama):
+    """A direct call that returns the right hidden states but leaves the cache unwritten must fail the check."""
+    runner = build_runner(tiny_llama, dtype="float32", max_num_seqs=4, num_kv_blocks=16, enforce_eager=True)
+    runner.initialize_kv_cache(16)
+    drv = RunnerDriver(runner)
+    drv.add("a", torch.randint(0, 320, (9,)).tolist())
+    drv.step()
+    so = drv.build()
+    runner.batch.update(so)
+    step = runner.batch.prepare(*runner.batch.split(so.num_scheduled_tokens), so.num_scheduled_tokens)
+    layer = runner.model.layers[0]
+    h = runner.model.tok_embeddings(step.token_ids)
+    freqs = step.positions.float()[:, None] * runner.model.inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    args = (layer, h, emb.cos(), emb.sin(), step.meta)
+
+    def layer_step(layer, *rest):
+        return layer(*rest)
+
+    def lost_write(layer, *rest):
+        attn = layer.attention
+        kept = attn.k_cache, attn.v_cache
+        attn.k_cache, attn.v_cache = kept[0].clone(), kept[1].clone()  # the write lands in a copy
+        try:
+            return layer(*rest)
+        finally:
+            attn.k_cache, attn.v_cache = kept
+
+    with torch.no_grad():
+        assert compile_policy._same_layer_step(layer_step, layer_step, *args)
+        assert not compile_policy._same_layer_step(layer_step, lost_write, *args)

@@ -1,8 +1,8 @@
 import msgspec
 import pytest
 
+from engine.messages import EngineCoreRequest
 from engine.params import SamplingParams
-from engine.protocol import EngineCoreRequest
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import pytest
 from engine.params import SamplingParams
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.step import ModelRunnerOutput, SchedulerOutput
 
 EOS = 0
 _fresh = itertools.count(1000)

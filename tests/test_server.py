@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server.bench_serve import launch
+from server.bench.serve import launch
 from tests.test_server_app import METRIC_NAMES, ROUTES, assert_error, check_response
 
 pytestmark = pytest.mark.slow
@@ -163,8 +163,7 @@ def test_greedy_is_token_exact_with_transformers(http):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from compiled.driver import hf_greedy
-    from compiled.loader import resolve_model
+    from server.bench.driver import hf_greedy, model_dir
 
     prompt, n = "The quick brown fox", 24
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0,
@@ -173,7 +172,7 @@ def test_greedy_is_token_exact_with_transformers(http):
     assert len(choice["token_ids"]) == n and choice["finish_reason"] == "length"
 
     torch.set_num_threads(1)  # the server is idle now, but stays polite
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(None), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir(None), dtype=torch.float32).eval()
     assert hf_greedy(model, choice["prompt_token_ids"], n) == choice["token_ids"]
 
 

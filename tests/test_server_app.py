@@ -22,8 +22,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
-from engine.client import EngineDeadError
-from engine.output_processor import CompletionOutput, Processor, RequestMetrics, RequestOutput
+from engine.errors import EngineDeadError
+from engine.input_processor import InputProcessor
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from server.api import build_app
 
 MODEL = "fake-model"
@@ -63,7 +64,7 @@ class FakeLLM:
         self.tokenizer = ByteTokenizer()
         self.max_model_len = max_model_len
         self.model_name = MODEL
-        self.processor = Processor(self.tokenizer, max_model_len, [EOS])
+        self.processor = InputProcessor(self.tokenizer, max_model_len, [EOS])
         self.dead: str | None = None
         self.step_s = step_s
         self.running: set[str] = set()
@@ -78,12 +79,13 @@ class FakeLLM:
         return dict(num_running=len(self.running), num_waiting=0, kv_cache_usage=0.5 if self.running else 0.0,
                     prefix_cache_queries=10, prefix_cache_hits=4, num_preemptions=0)
 
-    async def generate(self, prompt, params, request_id=None):
+    def process(self, prompt, params, request_id=None):
+        return self.processor.process(request_id or "req", prompt, params, time.time())
+
+    async def generate(self, request):
         if self.dead:
             raise EngineDeadError(self.dead)
-        ids = self.processor.tokenize(prompt)
-        params = self.processor.validate(ids, params)
-        rid = request_id or "req"
+        ids, params, rid = request.prompt_token_ids, request.params, request.request_id
         outs = [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
         metrics = RequestMetrics(time.time(), scheduled_time=time.time())
         self.running.add(rid)
@@ -402,9 +404,9 @@ def _serve(*args: str) -> subprocess.CompletedProcess:
                           cwd=Path(__file__).resolve().parents[1])
 
 
-def test_serve_rejects_tensor_parallelism_clearly():
-    r = _serve("--tensor-parallel-size", "2")
-    assert r.returncode == 2 and "tensor_parallel_size must be 1" in r.stderr and "Traceback" not in r.stderr
+def test_serve_rejects_a_bad_engine_flag_clearly():
+    r = _serve("--block-size", "7")
+    assert r.returncode == 2 and "block_size must be one of" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_serve_fails_fast_on_a_taken_port():

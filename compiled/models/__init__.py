@@ -1,3 +1,1 @@
-from compiled.models.llama import ModelArgs, Transformer
-
-__all__ = ["ModelArgs", "Transformer"]
+"""The model families kiln runs, as plain nn.Modules."""

@@ -18,7 +18,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from compiled.attention import AttentionMetadata, new_kv_cache, paged_attention, write_kv
+from compiled.attention import (
+    AttentionMetadata,
+    DecodeAttention,
+    decode_attention_matmul,
+    decode_attention_reduction,
+    new_kv_cache,
+    paged_attention,
+    write_kv,
+)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -119,52 +127,40 @@ def cpu_matmul_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class Linear(nn.Linear):
-    """nn.Linear with faster paths for the few rows of a decode step, and for CPUs without bfloat16 arithmetic.
+    """nn.Linear with a faster path for one row, and for CPUs without bfloat16 arithmetic (BENCHMARKS.md).
 
-    Measured on this project's 2-core AVX2 CPU, float32, weights streamed from memory:
-    - One row is pure weight streaming: Inductor's vectorised reduction reads at 29.5–34.9 GB/s,
-      BLAS at about 15. Its input is materialised once, in float32, before the reduction: left to
-      fuse, Inductor recomputes the RMSNorm (and, in bfloat16, the conversions) for every weight row.
-      bfloat16, per layer: 653 → 423 µs (FFN up-projection 350 → 159 µs); float32 unchanged.
-    - One row on CPU: the rows are reduced in `matvec_row_blocks` blocks side by side (Inductor fuses
-      reductions of the same input into one loop, an accumulator each), so each thread streams four
-      places of the weight at once and each row's chain of additions has three others beside it.
-      bfloat16, where widening each slice lengthens every step of a chain: products alone, 1 → 4
-      blocks, 13-17 → 17-22 GB/s; batch-1 decode steps 17.9-21.5 → 15.8-17.3 ms (three alternations);
-      8 blocks lost to 4 (58-64 vs 62-69 % of the roofline, three alternations). float32: alone, a
-      product streams as fast with one block, but in a layer each product waits for the one before
-      and starts its streams cold: batch-1 steps went from 68-72 % to 83-87 % of the roofline with 4
-      blocks (six alternating processes, each step paired with a copy; 2 blocks 71-79 %, 8 blocks 79-84 %).
-    - A decode batch (`weight_left`): MKL's sgemm is much faster with the weight as its left operand,
-      (W @ xᵀ)ᵀ, than as F.linear's transposed right one. FFN up-projection (3072×576), 2 rows: 24.6
-      vs 8.5 GB/s of weight; 8 rows: 13.2 vs 7.4; 64 rows: 149 vs 94 GFLOP/s; LM head (49152×576),
-      64 rows: 137 vs 89. In the model a batch-8 step at 512 tokens of context went 82 → 63 ms.
-      A 512-token prefill went 870 → 970 ms the same way (the transposed outputs cost their
-      consumers more than the matmuls gained), so prefill keeps F.linear.
-    - Half-precision weights on a CPU without bfloat16 arithmetic (AVX2 only): BLAS emulates it, several
-      times slower than its float32 path, so the matmuls run in float32 on converted copies (products of
-      bfloat16 values are exact in float32; BLAS accumulates in float32 either way). 512-token prefill
-      85 → 395–545 tok/s; decode step at 512 tokens of context, batch 8: 179-183 → 139-163 ms, batch 32:
-      592-718 → 201-253 ms (two alternating runs each).
+    - `row_blocks` > 0 (set by the compile policy for compiled graphs): one row is a matrix-vector
+      reduction, pure weight streaming that Inductor vectorises faster than BLAS, its rows reduced in
+      `row_blocks` blocks side by side so that each thread streams several places of the weight at once.
+      The input is materialised once in float32 first: left to fuse, Inductor would recompute the
+      RMSNorm for every weight row.
+    - `weight_left` (a decode batch on CPU): MKL's sgemm is much faster with the weight as its left
+      operand, (W @ xᵀ)ᵀ; prefill keeps F.linear, whose outputs its consumers read faster.
+    - Half-precision weights on a CPU without bfloat16 arithmetic: the matmul runs in float32 (products
+      of bfloat16 values are exact there), since BLAS emulates bfloat16 several times slower.
     """
 
-    matvec_row_blocks = 4
+    row_blocks = 0
 
     def forward(self, x: Tensor, weight_left: bool = False) -> Tensor:
+        if self.row_blocks and x.shape[0] == 1:
+            return self.matvec(x)
         w, b, dtype = self.weight, self.bias, x.dtype
-        if torch.compiler.is_compiling() and x.shape[0] == 1:
-            x = torch.ops.prims.inductor_force_stride_order(x.float(), x.stride())
-            blocks = self.matvec_row_blocks if x.device.type == "cpu" else 1  # not measured on CUDA
-            n = -(-w.shape[0] // blocks)
-            y = torch.cat([(x[:, None, :] * w[None, i : i + n].float()).sum(-1) for i in range(0, w.shape[0], n)], -1)
-            y = y.to(dtype)
-            return y if b is None else y + b
         if x.device.type == "cpu" and cpu_matmul_dtype(dtype) != dtype:
             x, w, b = x.float(), w.float(), None if b is None else b.float()
         if weight_left and x.device.type == "cpu":  # an MKL finding; cuBLAS is not measured
             y = (w @ x.T).T
             return (y if b is None else y + b).to(dtype)
         return F.linear(x, w, b).to(dtype)
+
+    def matvec(self, x: Tensor) -> Tensor:
+        """One row [1, K] -> [1, N] as `row_blocks` reductions over blocks of the weight's rows."""
+        w, b, dtype = self.weight, self.bias, x.dtype
+        x = torch.ops.prims.inductor_force_stride_order(x.float(), x.stride())
+        n = -(-w.shape[0] // self.row_blocks)
+        y = torch.cat([(x[:, None, :] * w[None, i : i + n].float()).sum(-1) for i in range(0, w.shape[0], n)], -1)
+        y = y.to(dtype)
+        return y if b is None else y + b
 
 
 class RMSNorm(nn.Module):
@@ -192,6 +188,7 @@ class Attention(nn.Module):
         # This layer's paged KV cache (layouts in compiled/attention.py), attached by the runner.
         self.k_cache: Tensor | None = None
         self.v_cache: Tensor | None = None
+        self.decode_attention: DecodeAttention = decode_attention_matmul
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
         T, decode = x.shape[0], meta.decode_only
@@ -204,7 +201,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, self.k_cache, self.v_cache, meta, self.head_dim**-0.5)
+        out = paged_attention(q, self.k_cache, self.v_cache, meta, self.head_dim**-0.5, self.decode_attention)
         return self.wo(out.reshape(T, q_size), decode)
 
 
@@ -266,18 +263,23 @@ class Transformer(nn.Module):
         return self.output(hidden, weight_left=True).float()
 
     def pack_output(self) -> None:
-        """On CPU, LM heads of several rows run through oneDNN on a copy of the weight packed once.
-
-        The LM head is the largest matmul of a decode step (SmolLM2: 49152×576). Measured on the 2-core
-        AVX2 CPU, float32, ms at 2 / 8 / 32 / 64 rows, MKL weight-left → oneDNN prepacked: 5.9 → 4.1,
-        9.3 → 6.4, 25.5 → 17.1, 29.9 → 25.3. The packed copy is float32 (on CPUs without bfloat16
-        arithmetic the matmuls run in float32 anyway, and it spares converting the weight every step);
-        one row keeps the compiled matrix-vector reduction, faster still.
-        """
+        """On CPU, LM heads of several rows run through oneDNN on a copy of the weight packed once, the
+        largest matmul of a decode step (BENCHMARKS.md). The copy is float32: on CPUs without bfloat16
+        arithmetic the matmuls run in float32 anyway, and it spares converting the weight every step.
+        One row keeps the compiled matrix-vector reduction, faster still."""
         w = self.output.weight
         if w.device.type == "cpu" and torch.backends.mkldnn.is_available() and cpu_matmul_dtype(w.dtype) == torch.float32:
             # The row-count hint hardly matters: packed for 8, 32 or 64 rows, every count ran alike.
             self.packed_output = torch.ops.mkldnn._reorder_linear_weight(w.detach().float(), 64)
+
+    def use_fused_kernels(self, row_blocks: int) -> None:
+        """The formulations that are fast once Inductor fuses them (eagerly they would materialise large
+        products): matrix-vector reductions for one row, decode attention as reductions over the pages."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.row_blocks = row_blocks
+            elif isinstance(module, Attention):
+                module.decode_attention = decode_attention_reduction
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
         for layer in self.layers:

@@ -1,4 +1,4 @@
-"""`kiln bench runner` and `kiln bench gpu-check`: the model runner alone, against transformers.
+"""`kiln bench runner`: the model runner alone, against transformers.
 
 Decode is timed with synthetic context: each sequence gets `context` positions of KV-cache blocks
 and decodes from there (the cost of a decode step does not depend on what the cache holds), so
@@ -13,12 +13,10 @@ import time
 
 import torch
 
-from compiled.model_runner import ModelRunner, cdiv
-from engine.config import EngineConfig
-from engine.params import SamplingParams
-from engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20)
+from compiled.input_batch import cdiv
+from compiled.model_runner import ModelRunner
+from compiled.worker import resolve_device
+from server.bench.driver import RunnerDriver, build_runner, model_dir
 
 
 class Copy:
@@ -51,38 +49,12 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-class _Batch:
-    """B sequences at `context` positions, stepped one decode token at a time through the runner."""
-
-    def __init__(self, runner: ModelRunner, batch: int, context: int, first_block: int) -> None:
-        self.runner, self.ids = runner, [f"b{batch}-{i}" for i in range(batch)]
-        self.pos = {rid: context - 1 for rid in self.ids}
-        per_seq = cdiv(context + 64, runner.block_size)
-        so = SchedulerOutput()
-        for i, rid in enumerate(self.ids):
-            blocks = list(range(first_block + i * per_seq, first_block + (i + 1) * per_seq))
-            tokens = torch.randint(0, runner.vocab_size, (context,)).tolist()
-            so.new_reqs.append(NewRequestData(rid, tokens, context, GREEDY, blocks, context - 1, i))
-            so.num_scheduled_tokens[rid] = 1
-        so.total_num_scheduled_tokens = batch
-        runner.execute_model(so)
-
-    def step(self) -> None:
-        so = SchedulerOutput(cached_reqs=[CachedRequestData(r, [], self.pos[r] + 1) for r in self.ids],
-                             num_scheduled_tokens=dict.fromkeys(self.ids, 1), total_num_scheduled_tokens=len(self.ids))
-        self.runner.execute_model(so)
-        for r in self.ids:
-            self.pos[r] += 1
-
-    def finish(self) -> None:
-        self.runner.execute_model(SchedulerOutput(finished_req_ids=set(self.ids)))
-
-
 class KilnEngine:
     """A ModelRunner as `measure` drives it: decode batches over synthetic context, one-prompt prefills."""
 
     def __init__(self, runner: ModelRunner, prefill_len: int) -> None:
-        self.runner, self.batch, self.prefill_len = runner, None, prefill_len
+        self.runner, self.prefill_len = runner, prefill_len
+        self.driver = RunnerDriver(runner)
         # The synthetic context reads slots no step wrote. Serving reads only written slots, or fresh pages
         # (zeros); here they would hold whatever the allocator left, and denormal garbage slows float math
         # many times over.
@@ -90,24 +62,25 @@ class KilnEngine:
             layer.attention.k_cache.zero_()
             layer.attention.v_cache.zero_()
         self.prompt = torch.randint(0, runner.vocab_size, (prefill_len,)).tolist()
-        self.prompt_blocks = list(range(runner.num_blocks - cdiv(prefill_len, runner.block_size) - 1, runner.num_blocks - 1))
         self.prefills = 0
 
     def start(self, batch: int, context: int) -> None:
-        self.batch = _Batch(self.runner, batch, context, first_block=1)
+        for i in range(batch):
+            self.driver.add(f"b{batch}-{i}", torch.randint(0, self.runner.vocab_size, (context,)).tolist(), seed=i,
+                            computed=context - 1)
+        self.driver.step()
 
     def step(self) -> None:
-        self.batch.step()
+        self.driver.step()
 
     def finish(self) -> None:
-        self.batch.finish()
+        self.driver.finish()
 
     def prefill(self) -> None:
-        rid, n = f"p{self.prefills}", len(self.prompt)
         self.prefills += 1
-        self.runner.execute_model(SchedulerOutput(new_reqs=[NewRequestData(rid, self.prompt, n, GREEDY, self.prompt_blocks, 0, 0)],
-                                                  num_scheduled_tokens={rid: n}, total_num_scheduled_tokens=n))
-        self.runner.execute_model(SchedulerOutput(finished_req_ids={rid}))
+        self.driver.add(f"p{self.prefills}", self.prompt)
+        self.driver.step()
+        self.driver.finish()
 
 
 class TransformersEngine:
@@ -145,10 +118,10 @@ def bench_kv_blocks(block_size: int, batch: int, context: int, prefill_len: int)
     return batch * cdiv(context + 64, block_size) + cdiv(prefill_len, block_size) + 2
 
 
-def kiln_engine(config: EngineConfig, batch: int, context: int, prefill_len: int) -> tuple[KilnEngine, float]:
+def kiln_engine(engine_args: dict, batch: int, context: int, prefill_len: int) -> tuple[KilnEngine, float]:
     """A warmed-up runner for `measure`, and its warm-up's seconds."""
-    runner = ModelRunner(config)
-    runner.initialize_kv_cache(bench_kv_blocks(config.block_size, batch, context, prefill_len))
+    runner = build_runner(engine_args.pop("model"), **engine_args)
+    runner.initialize_kv_cache(bench_kv_blocks(runner.block_size, batch, context, prefill_len))
     start = time.perf_counter()
     runner.warmup()
     return KilnEngine(runner, prefill_len), time.perf_counter() - start
@@ -206,23 +179,22 @@ def run(model: str | None = None, dtype: str = "float32", batches: tuple[int, ..
         context: int = 512, steps: int = 8, prefill_len: int = 512, compare: bool = True,
         num_threads: int | None = None) -> dict:
     """Compiled vs eager kiln vs transformers, plus the memory roofline, measured in one run."""
-    from compiled.loader import resolve_dtype, resolve_model
-    from compiled.model_runner import resolve_device
+    from compiled.loader import resolve_dtype
 
-    model_dir = resolve_model(model)
-    common = dict(model=model_dir, dtype=dtype, max_num_seqs=max(batches), num_threads=num_threads,
+    path = model_dir(model)
+    common = dict(model=path, dtype=dtype, max_num_seqs=max(batches), num_threads=num_threads,
                   max_model_len=max(context + 64, prefill_len + 1))
-    out: dict = {"config": {"model": model_dir, "dtype": dtype, "batches": list(batches), "context": context,
+    out: dict = {"config": {"model": path, "dtype": dtype, "batches": list(batches), "context": context,
                             "steps": steps, "prefill_len": prefill_len, "threads": num_threads or torch.get_num_threads()}}
     copy = Copy()
     engines, batch = {}, max(batches)
-    engines["kiln_compiled"], compiled_warmup = kiln_engine(EngineConfig(**common), batch, context, prefill_len)
-    engines["kiln_eager"], _ = kiln_engine(EngineConfig(**common, enforce_eager=True), batch, context, prefill_len)
+    engines["kiln_compiled"], compiled_warmup = kiln_engine(dict(common), batch, context, prefill_len)
+    engines["kiln_eager"], _ = kiln_engine(dict(common, enforce_eager=True), batch, context, prefill_len)
     if compare:
         from transformers import AutoModelForCausalLM
 
         torch_dtype = resolve_dtype(dtype, resolve_device("auto"))
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
         engines["transformers"] = TransformersEngine(hf, prefill_len)
     out |= measure(engines, list(batches), context, steps, copy, roofline_engine="kiln_compiled")
     out["kiln_compiled"]["warmup_s"] = compiled_warmup

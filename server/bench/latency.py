@@ -19,9 +19,9 @@ import statistics
 import time
 from pathlib import Path
 
-from engine.bench_prompts import token_prompts
-from engine.bench_throughput import load_transformers, use_engine_threads
 from engine.params import SamplingParams
+from server.bench.prompts import token_prompts
+from server.bench.throughput import load_transformers, use_engine_threads
 
 
 def _summary(runs: list[tuple[float, float]]) -> dict:
@@ -116,9 +116,9 @@ def run(model: str | None, engine_args: dict, input_lens: tuple[int, ...] = (128
     """kiln TTFT and decode rate per prompt length, the roofline, and (with `compare`) transformers."""
     import torch
 
-    from compiled.bench import copy_bandwidth
-    from compiled.model_runner import resolve_device
-    from engine.llm import AsyncLLM
+    from compiled.worker import resolve_device
+    from engine.async_llm import AsyncLLM
+    from server.bench.runner import copy_bandwidth
 
     if output_len < 2 or iters < 1:
         raise ValueError("latency needs --output-len of at least 2 (one decode step) and --iters of at least 1")

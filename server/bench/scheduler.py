@@ -9,7 +9,7 @@ import time
 from engine.params import SamplingParams
 from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.step import ModelRunnerOutput, SchedulerOutput
 
 
 def _fake_runner(sched: Scheduler, out: SchedulerOutput, rng: random.Random) -> ModelRunnerOutput:

@@ -22,7 +22,8 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.protocol import (
+from engine.errors import EngineDeadError
+from engine.messages import (
     AbortRequests,
     CoreFailed,
     CoreOutput,
@@ -37,10 +38,6 @@ from engine.protocol import (
 )
 
 POLL_MS = 200  # how often a waiting client checks that the core process is alive
-
-
-class EngineDeadError(RuntimeError):
-    """The engine-core process is gone; every pending and future request fails with this."""
 
 
 class CoreClient:
@@ -63,8 +60,8 @@ class CoreClient:
         self.ready: CoreReady | None = None
         self._call_ids = itertools.count()
 
-    def start(self, config: EngineConfig, model_dir: str) -> None:
-        self.send(StartCore(config, model_dir))
+    def start(self, config: EngineConfig, model_dir: str, gguf_file: str | None = None) -> None:
+        self.send(StartCore(config, model_dir, gguf_file))
 
     def send(self, msg) -> None:
         if self.dead:

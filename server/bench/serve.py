@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from engine.bench_prompts import dataset_prompts, token_prompts
+from server.bench.prompts import dataset_prompts, token_prompts
 
 METRICS = ("ttft", "tpot", "itl", "e2e")
 
@@ -182,14 +182,15 @@ def run(base_url: str = "http://127.0.0.1:8000", model: str | None = None, endpo
         max_concurrency: int = 16, seed: int = 0, api_key: str | None = None, ignore_eos: bool = True) -> dict:
     """Send the prompts, streamed, and summarise. `tokenizer` (a model directory or .gguf; default the
     embedded model) turns the random token windows into text."""
-    from compiled.loader import load_tokenizer, resolve_model
+    from engine.model_files import load_tokenizer
+    from server.bench.driver import model_dir
 
     if max_concurrency < 1 or not request_rate > 0:
         raise ValueError("--max-concurrency must be at least 1 and --request-rate positive")
     if dataset:
         prompts = dataset_prompts(dataset, num_prompts)
     else:
-        tok = load_tokenizer(resolve_model(tokenizer))
+        tok = load_tokenizer(model_dir(tokenizer))
         prompts = [tok.decode(ids) for ids in token_prompts(tok, num_prompts, input_len_min, input_len_max, seed)]
     base_url = base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

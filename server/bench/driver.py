@@ -1,38 +1,57 @@
-"""Driving a ModelRunner without the engine: a minimal stand-in for the scheduler, and the greedy
-check against transformers that the runner tests and `kiln bench gpu-check` share."""
+"""Driving a ModelRunner without the engine, for the benchmarks, gpu-check and the tests: a minimal stand-in
+for the scheduler, and the greedy check against transformers."""
 
 from __future__ import annotations
 
 import torch
 
+from compiled.input_batch import cdiv
+from compiled.loader import convert_gguf
+from compiled.model_runner import ModelRunner
+from compiled.worker import Worker
+from engine.config import EngineConfig
+from engine.model_files import locate_model
 from engine.params import SamplingParams
-from engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.step import CachedRequestData, NewRequestData, SchedulerOutput
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20)
 
 
-class MiniDriver:
-    """Sequential block allocation, prefill in chunks of at most `chunk` tokens, then decode."""
+def model_dir(model: str | None) -> str:
+    """The HF directory of `model` (None: the default), converting a GGUF file on its first use."""
+    path, gguf_file = locate_model(model)
+    if gguf_file is not None:
+        convert_gguf(gguf_file, path)
+    return path
 
-    def __init__(self, runner, chunk: int = 1 << 30) -> None:
+
+def build_runner(model: str | None, **engine_args) -> ModelRunner:
+    """A model runner as the engine core builds it (threads, device, resolved budgets), without a KV cache."""
+    path, gguf_file = locate_model(model)
+    return Worker(EngineConfig(model=path, **engine_args), path, gguf_file).runner
+
+
+class RunnerDriver:
+    """Sequential block allocation, prefill in chunks of at most `chunk` tokens, then decode.
+
+    A request may start at a synthetic context (`computed`): its first `computed` positions count as cached
+    although nothing wrote them, which is how the benchmarks decode at a long context without a prefill.
+    """
+
+    def __init__(self, runner: ModelRunner, chunk: int = 1 << 30) -> None:
         self.runner, self.chunk, self.next_block = runner, chunk, 1
         self.reqs: dict[str, dict] = {}
 
-    def add(self, rid: str, prompt: list[int], params: SamplingParams | None = None, seed: int = 0) -> None:
-        self.reqs[rid] = dict(tokens=list(prompt), n_prompt=len(prompt), computed=0, blocks=[], new=True,
-                              params=params or SamplingParams(temperature=0.0, max_tokens=1 << 20), seed=seed,
-                              out=[])
+    def add(self, rid: str, prompt: list[int], params: SamplingParams | None = None, seed: int = 0,
+            computed: int = 0) -> None:
+        self.reqs[rid] = dict(tokens=list(prompt), n_prompt=len(prompt), computed=computed, blocks=[], new=True,
+                              params=params or GREEDY, seed=seed, out=[])
 
     def _ensure_blocks(self, r: dict, upto: int) -> list[int]:
-        bs = self.runner.block_size
-        new = []
-        while len(r["blocks"]) * bs < upto:
-            new.append(self.next_block)
-            r["blocks"].append(self.next_block)
-            self.next_block += 1
+        new = list(range(self.next_block, self.next_block + cdiv(upto, self.runner.block_size) - len(r["blocks"])))
+        r["blocks"] += new
+        self.next_block += len(new)
         return new
-
-    def step(self, rids: list[str] | None = None) -> dict[str, list[int]]:
-        so = self.build(rids)
-        return self.apply(so, self.runner.execute_model(so))
 
     def build(self, rids: list[str] | None = None) -> SchedulerOutput:
         so = SchedulerOutput()
@@ -60,10 +79,31 @@ class MiniDriver:
             result[rid] = toks
         return result
 
+    def step(self, rids: list[str] | None = None) -> dict[str, list[int]]:
+        so = self.build(rids)
+        return self.apply(so, self.runner.execute_model(so))
+
+    def logits(self, so: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """Logits of every token the step computes, keyed by request, in position order (no sampling)."""
+        batch = self.runner.batch
+        batch.update(so)
+        singles, chunks = batch.split(so.num_scheduled_tokens)
+        step = batch.prepare(singles, chunks, so.num_scheduled_tokens)
+        with torch.no_grad():
+            logits = self.runner.model.compute_logits(self.runner.hidden_states(step))
+        out = {s.req_id: logits[i : i + 1] for i, s in enumerate(singles)}
+        offset = step.meta.decode_block_tables.shape[0]  # past the padding rows
+        for s in chunks:
+            n = so.num_scheduled_tokens[s.req_id]
+            out[s.req_id] = logits[offset : offset + n]
+            offset += n
+        return out
+
     def finish(self) -> None:
-        """Release every request's runner state (its block-table row)."""
+        """Release every request's runner state (its block-table row); blocks are handed out from 1 again."""
         self.runner.execute_model(SchedulerOutput(finished_req_ids=set(self.reqs)))
         self.reqs.clear()
+        self.next_block = 1
 
     def generate(self, max_new: int) -> dict[str, list[int]]:
         while any(len(r["out"]) < max_new for r in self.reqs.values()):
@@ -95,12 +135,12 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def greedy_mismatches(runner, hf_model, prompts: list[list[int]], batch_tokens: int = 24, tail_tokens: int = 64,
-                      chunk: int = 24) -> list[str]:
+def greedy_mismatches(runner: ModelRunner, hf_model, prompts: list[list[int]], batch_tokens: int = 24,
+                      tail_tokens: int = 64, chunk: int = 24) -> list[str]:
     """Generate greedily for all prompts together (longer prompts prefill in chunks beside running decodes),
     then continue prompt 0 alone (decode at batch 1), and compare each with transformers token by token.
     Returns what diverged; empty when everything is token-exact."""
-    drv = MiniDriver(runner, chunk=chunk)
+    drv = RunnerDriver(runner, chunk=chunk)
     for i, p in enumerate(prompts):
         drv.add(str(i), p)
     ours = drv.generate(batch_tokens)
@@ -111,5 +151,6 @@ def greedy_mismatches(runner, hf_model, prompts: list[list[int]], batch_tokens: 
     bad = []
     if tail != hf_greedy(hf_model, prompts[0], tail_tokens):
         bad.append("prompt 0 (batch 1 tail)")
-    bad += [f"prompt {i}" for i, p in enumerate(prompts[1:], start=1) if ours[str(i)] != hf_greedy(hf_model, p, batch_tokens)]
+    bad += [f"prompt {i}" for i, p in enumerate(prompts[1:], start=1)
+            if ours[str(i)] != hf_greedy(hf_model, p, batch_tokens)]
     return bad

@@ -12,8 +12,8 @@ import os
 import time
 from typing import Any
 
-from engine.bench_prompts import dataset_prompts, token_prompts
 from engine.params import SamplingParams
+from server.bench.prompts import dataset_prompts, token_prompts
 
 BASELINES = {"transformers_static": "transformers, static batches", "transformers_continuous": "transformers, continuous batching"}
 

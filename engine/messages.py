@@ -48,6 +48,7 @@ class StartCore(msgspec.Struct, tag=True, array_like=True):
 
     config: EngineConfig
     model_dir: str
+    gguf_file: str | None = None  # to convert into model_dir first (its first start)
 
 
 CoreInput = EngineCoreRequest | AbortRequests | UtilityCall | Shutdown | StartCore
@@ -84,9 +85,9 @@ class UtilityResult(msgspec.Struct, tag=True, array_like=True):
 class CoreReady(msgspec.Struct, tag=True, array_like=True):
     """Sent once the model is loaded, the KV cache allocated and every graph compiled."""
 
+    config: EngineConfig  # with the budgets resolved for the device
     num_kv_blocks: int
     max_model_len: int
-    block_size: int
     dtype: str
     device: str
 

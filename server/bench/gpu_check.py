@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from compiled import bench
-from compiled.driver import chat_prompts, greedy_mismatches
-from compiled.model_runner import ModelRunner, decode_buckets
-from engine.config import EngineConfig
+from compiled.input_batch import decode_buckets
+from compiled.model_runner import ModelRunner
+from server.bench import runner as bench
+from server.bench.driver import build_runner, chat_prompts, greedy_mismatches, model_dir
 
 
 def graph_launches(fn) -> int:
@@ -32,12 +32,13 @@ def graph_launches(fn) -> int:
 def check_graphs(runner: ModelRunner, context: int) -> dict[int, int]:
     """Graph replays in one decode step of each bucket, once its graph is recorded."""
     launches = {}
+    engine = bench.KilnEngine(runner, context)
     for b in runner.buckets:
-        batch = bench._Batch(runner, b, context, first_block=1)
-        batch.step()  # cudagraph trees warm up a new shape, then record it; the third call replays
-        batch.step()
-        launches[b] = graph_launches(batch.step)
-        batch.finish()
+        engine.start(b, context)  # cudagraph trees warm up a new shape, then record it; later calls replay
+        engine.step()
+        engine.step()
+        launches[b] = graph_launches(engine.step)
+        engine.finish()
     return launches
 
 
@@ -45,32 +46,30 @@ def run(model: str | None = None, dtype: str = "float32", device: str = "cuda", 
         context: int = 512, steps: int = 8) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from compiled.loader import resolve_model
-
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("gpu-check needs a CUDA device (torch.cuda.is_available() is False); --device cpu runs "
                          "the correctness and speed parts without CUDA graphs")
-    model_dir = resolve_model(model)
-    out: dict = {"config": {"model": model_dir, "dtype": dtype, "device": device, "max_num_seqs": max_num_seqs,
+    path = model_dir(model)
+    out: dict = {"config": {"model": path, "dtype": dtype, "device": device, "max_num_seqs": max_num_seqs,
                             "context": context, "steps": steps},
                  "device_name": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
     buckets = decode_buckets(max_num_seqs)
-    common = dict(model=model_dir, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
+    common = dict(dtype=dtype, device=device, max_num_seqs=max_num_seqs,
                   max_model_len=context + 64 + 1, max_num_batched_tokens=64)
     for name, eager in (("compiled", False), ("eager", True)):
-        runner = ModelRunner(EngineConfig(**common, enforce_eager=eager))
+        runner = build_runner(path, **common, enforce_eager=eager)
         runner.initialize_kv_cache(bench.bench_kv_blocks(runner.block_size, max_num_seqs, context, context))
         start = time.perf_counter()
         runner.warmup()
         warmup_s = time.perf_counter() - start
         if not eager:
             # The exactness check runs in float32 whatever dtype is timed.
-            exact = runner if dtype == "float32" else ModelRunner(EngineConfig(**{**common, "dtype": "float32"}))
+            exact = runner if dtype == "float32" else build_runner(path, **{**common, "dtype": "float32"})
             if exact is not runner:
                 exact.initialize_kv_cache(256)
                 exact.warmup()
-            hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-            out["greedy_mismatches"] = greedy_mismatches(exact, hf, chat_prompts(AutoTokenizer.from_pretrained(model_dir),
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+            out["greedy_mismatches"] = greedy_mismatches(exact, hf, chat_prompts(AutoTokenizer.from_pretrained(path),
                                                                                min(9, max_num_seqs)))
             del hf, exact
             if device == "cuda":

@@ -1,0 +1,136 @@
+"""Every compile decision of kiln, in one place: what is compiled and how, the flags Dynamo and Inductor
+trace with, the kernels the model uses compiled or eager, and the step shapes the warm-up runs.
+
+CPU: each TransformerBlock compiles with dynamic shapes; all layers share one Dynamo cache entry (same
+code, weights are graph inputs), so a whole step costs a few graphs: decode of one sequence (Linear is a
+matrix-vector reduction there) and of more, and steps with chunks. Decode layers then run guard-free
+(compiled/guard_free.py). Per-layer graphs against one whole-model graph: BENCHMARKS.md.
+CUDA: decode-only steps (padded to a bucket) run the whole model under mode="reduce-overhead" (CUDA
+graphs); steps with multi-token chunks use the per-layer graphs. Shapes are left to automatic dynamic:
+the first bucket compiles static, the next a graph with a symbolic batch and block-table width, and
+CUDA-graph trees record one graph per concrete shape, so the buckets stay under the recompile limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from compiled import guard_free
+from compiled.attention import AttentionMetadata, write_kv
+from compiled.models.llama import Transformer, TransformerBlock
+
+logger = logging.getLogger("kiln.runner")
+
+WARMUP_CHUNK = 64  # tokens of the multi-token chunks the warm-up runs; graphs are dynamic in the count
+# Keys each single-query warm-up row attends to: Inductor decides which loops to spread over threads
+# from the sizes it compiles with, and a one-key attention would be compiled serial.
+WARMUP_CONTEXT = 512
+# One-row products reduce this many row blocks side by side, an accumulator each (CPU; CUDA unmeasured).
+CPU_ROW_BLOCKS = 4
+
+DYNAMO_FLAGS = dict(
+    specialize_float=True,  # float attributes (norm eps) as constants, not tensors built on every call
+    fake_tensor_cache_enabled=False,  # its bookkeeping costs more than it saves on these dynamic graphs
+    record_runtime_overhead=False,  # Dynamo's bytecode would time every call, for logs kiln does not read
+)
+FX_FLAGS = dict(use_duck_shape=False)  # sizes equal when traced must not be assumed equal
+
+
+@contextlib.contextmanager
+def flags() -> Iterator[None]:
+    """The flags every trace runs with; entered around each step, so the rest of the process keeps its own."""
+    with torch._dynamo.config.patch(**DYNAMO_FLAGS), torch.fx.experimental._config.patch(**FX_FLAGS):
+        yield
+
+
+class CompilePolicy:
+    """How one model runs: which kernels, what is compiled, and the forward each kind of step calls."""
+
+    def __init__(self, model: Transformer, device: torch.device, enforce_eager: bool) -> None:
+        self.model, self.device, self.eager = model, device, enforce_eager
+        self.prefill_forward: Callable[..., Tensor] = model.forward
+        self.decode_forward: Callable[..., Tensor] = model.forward
+        self.decode_graphs: dict[bool, Callable] = {}  # one row or more -> how its layers run
+        if enforce_eager:
+            return
+        model.use_fused_kernels(CPU_ROW_BLOCKS if device.type == "cpu" else 1)
+        for layer in model.layers:
+            layer.compile(dynamic=True, fullgraph=True)
+        model.output.compile(dynamic=True, fullgraph=True)  # the LM head: one more weight stream per step
+        if device.type == "cuda":
+            self.decode_forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        elif guard_free.supported():
+            self.decode_forward = self._decode_guard_free
+
+    def mark_kv_cache(self, caches: list[Tensor]) -> None:
+        if self.eager:
+            return
+        for cache in caches:
+            # Page geometry as constants: Inductor's index arithmetic in the attention loops becomes shifts
+            # and multiplies instead of 64-bit divisions by symbols. The block count stays symbolic.
+            for dim in range(1, cache.dim()):
+                torch._dynamo.mark_static(cache, dim)
+            if self.device.type == "cuda":
+                torch._dynamo.mark_static_address(cache)  # CUDA graphs mutate only fixed addresses
+
+    def warmup_shapes(self, buckets: list[int], max_model_len: int) -> list[tuple[int, list[int]]]:
+        """(single-query rows, chunk lengths) of every step shape serving meets, so none compiles later."""
+        if self.eager:
+            return []
+        chunk = min(WARMUP_CHUNK, max_model_len - 1)
+        # On CUDA every bucket records its own CUDA graph; on CPU one row and more are the only decode graphs.
+        decode = buckets if self.device.type == "cuda" else buckets[:2]
+        return [(b, []) for b in decode] + [(2, [chunk]), (2, [chunk, 2])]
+
+    def forward(self, decode_only: bool) -> Callable[..., Tensor]:
+        return self.decode_forward if decode_only else self.prefill_forward
+
+    def _decode_guard_free(self, token_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+        """CPU decode: every layer through the graph of its kind of step (one row, or more), no guards.
+        The first decode step of a kind (in the warm-up) runs through Dynamo and looks the graph up."""
+        one_row = token_ids.shape[0] == 1
+        graph = self.decode_graphs.get(one_row)
+        if graph is not None:
+            return self.model.forward(token_ids, positions, meta, block=graph)
+        seen: list[tuple] = []
+
+        def block(layer: TransformerBlock, *args: object) -> Tensor:
+            seen.append((layer, *args))
+            return layer(*args)
+
+        hidden = self.model.forward(token_ids, positions, meta, block=block)
+        graph = guard_free.GuardFreeGraph.lookup(TransformerBlock.forward, *seen[-1])
+        if graph is None:
+            logger.warning("decode steps of %s rows keep Dynamo's guarded calls: it compiled no graph for them",
+                           "one" if one_row else "several")
+        else:
+            graph.go_direct(lambda wrapped, direct: _same_layer_step(wrapped, direct, *seen[-1]))
+        self.decode_graphs[one_row] = graph or _guarded_block
+        return hidden
+
+
+def _guarded_block(layer: TransformerBlock, *args: object) -> Tensor:
+    return layer(*args)
+
+
+def _same_layer_step(wrapped: Callable, direct: Callable, layer: TransformerBlock, h: Tensor, cos: Tensor,
+                     sin: Tensor, meta: AttentionMetadata) -> bool:
+    """Whether `direct` computes what `wrapped` does on one layer step: the same hidden states, and the
+    same K/V in the slots it writes (poisoned with NaN first, so a lost write cannot pass)."""
+    attn, slots = layer.attention, meta.slot_mapping
+    blocks = (slots // attn.v_cache.shape[3]).unique()
+    expected = wrapped(layer, h, cos, sin, meta)
+    kv = attn.k_cache[blocks].clone(), attn.v_cache[blocks].clone()
+    nan = torch.full((slots.shape[0], attn.n_kv_heads, attn.head_dim), float("nan"), dtype=h.dtype, device=h.device)
+    write_kv(attn.k_cache, attn.v_cache, nan, nan, slots)
+    got = direct(layer, h, cos, sin, meta)
+    same_kv = torch.equal(attn.k_cache[blocks], kv[0]) and torch.equal(attn.v_cache[blocks], kv[1])
+    ok = isinstance(got, Tensor) and got.shape == expected.shape and torch.allclose(got, expected) and same_kv
+    if not same_kv:  # leave the cache as the wrapped call wrote it
+        attn.k_cache[blocks], attn.v_cache[blocks] = kv
+    return ok

@@ -1,0 +1,232 @@
+"""The runner's persistent per-request state and how a step's inputs are laid out for the model.
+
+A step is packed by shape: first the sequences with one query each (decodes, padded to a bucket), then
+the multi-token chunks. Inputs are written in place into persistent buffers (`StepInputs`), so a step
+allocates nothing for them and, on CUDA, copies them from pinned memory without blocking.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from compiled.attention import AttentionMetadata
+from compiled.sampler import SamplingMetadata
+from engine.params import SamplingParams
+from engine.step import SchedulerOutput
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes a single-query batch is padded to: 1, 2, 4, 8, 16, 24, 32, 48, 64, then steps of 32."""
+    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    while sizes[-1] < max_num_seqs:
+        sizes.append(sizes[-1] + 32)
+    return [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
+
+
+def _pow2(n: int, cap: int) -> int:
+    return min(1 << max(n - 1, 0).bit_length(), cap)
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]  # prompt, then every token sampled so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    seed: int
+    row: int  # row of the persistent block table
+    num_blocks: int
+    num_computed_tokens: int
+
+
+@dataclass
+class StepBatch:
+    """One packed step's model inputs, and which rows of its hidden states are sampled for whom."""
+
+    token_ids: Tensor
+    positions: Tensor
+    meta: AttentionMetadata
+    logits_index: list[int]
+    sampled: list[CachedRequestState]
+
+
+class StepInputs:
+    """The persistent buffers a step's inputs are written into, in place: one int64 host tensor per input,
+    filled through its numpy view; on CUDA the host tensor is pinned and copied, without blocking, into
+    a device tensor of the same size. A buffer grows (doubling) only when a step needs more than it holds.
+    Invariants: an input is valid until the next `put` of its name; on CUDA a host buffer is rewritten
+    only after the copy out of it has completed (an event per buffer).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buffers: dict[str, tuple[np.ndarray, Tensor, Tensor, torch.cuda.Event | None]] = {}
+
+    def put(self, name: str, values: np.ndarray | list) -> Tensor:
+        values = np.asarray(values, dtype=np.int64)
+        n = values.size
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer[0].size < n:
+            buffer = self._grow(name, max(n, 2 * buffer[0].size if buffer else 0))
+        host_np, host, dev, copied = buffer
+        if copied is not None:
+            copied.synchronize()
+        host_np[:n] = values.reshape(-1)
+        if copied is not None:
+            dev[:n].copy_(host[:n], non_blocking=True)
+            copied.record()
+        return dev[:n].view(values.shape)
+
+    def _grow(self, name: str, size: int) -> tuple[np.ndarray, Tensor, Tensor, torch.cuda.Event | None]:
+        cuda = self.device.type == "cuda"
+        host = torch.zeros(max(size, 64), dtype=torch.int64, pin_memory=cuda)
+        dev = torch.zeros_like(host, device=self.device) if cuda else host
+        self.buffers[name] = (host.numpy(), host, dev, torch.cuda.Event() if cuda else None)
+        return self.buffers[name]
+
+
+class InputBatch:
+    """Live requests' state and block-table rows, and the packing of a step into model inputs.
+
+    Invariants: every live request holds one row of `block_table`, whose first `num_blocks` entries are
+    its blocks and the rest 0 (the null block); the last row (`null_row`) is all zeros, for padding.
+    """
+
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, device: torch.device) -> None:
+        self.block_size, self.device = block_size, device
+        self.buckets = decode_buckets(max_num_seqs)
+        self.table_width = max(max_blocks_per_seq, 2)
+        self.block_table = torch.zeros(max_num_seqs + 1, self.table_width, dtype=torch.int64)
+        self.null_row = max_num_seqs
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.requests: dict[str, CachedRequestState] = {}
+        self.inputs = StepInputs(device)
+
+    def update(self, so: SchedulerOutput) -> None:
+        """Forget finished requests, add new ones, append new blocks to the cached ones."""
+        for rid in so.finished_req_ids:
+            state = self.requests.pop(rid, None)
+            if state is not None:
+                self.block_table[state.row].zero_()
+                self.free_rows.append(state.row)
+        for new in so.new_reqs:
+            row = self.free_rows.pop()
+            self.block_table[row, : len(new.block_ids)] = torch.tensor(new.block_ids, dtype=torch.int64)
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params, new.seed, row,
+                len(new.block_ids), new.num_computed_tokens)
+        for cached in so.cached_reqs:
+            state = self.requests[cached.req_id]
+            if cached.new_block_ids:
+                n = len(cached.new_block_ids)
+                self.block_table[state.row, state.num_blocks : state.num_blocks + n] = torch.tensor(
+                    cached.new_block_ids, dtype=torch.int64)
+                state.num_blocks += n
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def split(self, num_scheduled: dict[str, int]) -> tuple[list[CachedRequestState], list[CachedRequestState]]:
+        """The scheduled requests with one query (in schedule order), then those with a multi-token chunk."""
+        states = [self.requests[rid] for rid in num_scheduled]
+        return [s for s in states if num_scheduled[s.req_id] == 1], [s for s in states if num_scheduled[s.req_id] > 1]
+
+    def prepare(self, singles: list[CachedRequestState], chunks: list[CachedRequestState],
+                num_scheduled: dict[str, int]) -> StepBatch:
+        bs = self.block_size
+        # Dynamo specialises sizes 0 and 1, so a step with chunks carries at least two decode rows
+        # (padding rows cost a short attention each): chunk-only and mixed steps then share graphs.
+        n_dec = next(b for b in self.buckets if b >= len(singles)) if singles else 0
+        n_pad = (max(n_dec, 2) if chunks else n_dec) - len(singles)
+        rows: list[int] = []
+        positions: list[int] = []
+        token_ids: list[int] = []
+        logits_index: list[int] = []
+        sampled: list[CachedRequestState] = []
+        for s in singles:
+            pos = s.num_computed_tokens
+            rows.append(s.row)
+            positions.append(pos)
+            token_ids.append(s.token_ids[pos])
+            if pos + 1 == len(s.token_ids):
+                logits_index.append(len(token_ids) - 1)
+                sampled.append(s)
+        rows += [self.null_row] * n_pad
+        positions += [0] * n_pad
+        token_ids += [0] * n_pad
+        num_dec = len(rows)
+        seq_lens = [p + 1 for p in positions]
+        # Decode attention computes over every column of the table: exact on CPU, where the width is a
+        # dynamic size; a power of two on CUDA, where each distinct width is a CUDA graph.
+        dec_width = cdiv(max(seq_lens, default=1), bs)
+        dec_width = max(_pow2(dec_width, self.table_width) if self.device.type == "cuda" else dec_width, 2)
+
+        query_index: list[list[int]] = []
+        query_pos: list[list[int]] = []
+        chunk_lens = [num_scheduled[s.req_id] for s in chunks]
+        q_max = max(chunk_lens, default=2)
+        pre_width = 2
+        for s, n in zip(chunks, chunk_lens):
+            start, first = s.num_computed_tokens, len(token_ids)
+            rows += [s.row] * n
+            positions += range(start, start + n)
+            token_ids += s.token_ids[start : start + n]
+            query_index.append(list(range(first, first + n)) + [first] * (q_max - n))
+            query_pos.append(list(range(start, start + n)) + [0] * (q_max - n))
+            pre_width = max(pre_width, cdiv(start + n, bs))
+            if start + n == len(s.token_ids):
+                logits_index.append(len(token_ids) - 1)
+                sampled.append(s)
+        out_index = [p * q_max + j for p, n in enumerate(chunk_lens) for j in range(n)]
+
+        rows_a, pos_a, table, put = np.array(rows), np.array(positions), self.block_table.numpy(), self.inputs.put
+        chunk_rows = [s.row for s in chunks]
+        meta = AttentionMetadata(
+            slot_mapping=put("slot_mapping", table[rows_a, pos_a // bs] * bs + pos_a % bs),
+            decode_block_tables=put("decode_block_tables", table[rows_a[:num_dec], :dec_width]),
+            decode_seq_lens=put("decode_seq_lens", seq_lens),
+            prefill_block_tables=put("prefill_block_tables", table[chunk_rows, :pre_width]),
+            prefill_query_index=put("prefill_query_index", np.array(query_index).reshape(len(chunks), q_max)),
+            prefill_query_pos=put("prefill_query_pos", np.array(query_pos).reshape(len(chunks), q_max)),
+            prefill_out_index=put("prefill_out_index", out_index),
+        )
+        return StepBatch(put("token_ids", token_ids), put("positions", pos_a), meta, logits_index, sampled)
+
+
+def sampling_inputs(states: list[CachedRequestState], vocab_size: int, device: torch.device) -> SamplingMetadata:
+    """The sampler's per-row parameters for the sampled requests of a step."""
+    params = [s.sampling_params for s in states]
+    f32 = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731
+    i64 = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+    m = SamplingMetadata(
+        temperature=f32([0.0 if p.greedy else p.temperature for p in params]),
+        top_k=i64([p.top_k for p in params]),
+        top_p=f32([p.top_p for p in params]),
+        min_p=f32([p.min_p for p in params]),
+        seeds=i64([s.seed for s in states]),
+        steps=i64([len(s.token_ids) - s.num_prompt_tokens for s in states]),
+        all_greedy=all(p.greedy for p in params),
+        any_top_k=any(p.top_k > 0 for p in params),
+        any_top_p=any(p.top_p < 1.0 for p in params),
+        any_min_p=any(p.min_p > 0.0 for p in params),
+    )
+    if any(p.logprobs is not None for p in params):
+        m.max_num_logprobs = max(p.logprobs or 0 for p in params)
+    if any(p.has_penalties for p in params):
+        m.presence = f32([p.presence_penalty for p in params])
+        m.frequency = f32([p.frequency_penalty for p in params])
+        m.repetition = f32([p.repetition_penalty for p in params])
+        counts = torch.zeros(len(states), vocab_size, dtype=torch.int32)
+        seen = torch.zeros(len(states), vocab_size, dtype=torch.bool)
+        for i, s in enumerate(states):
+            out = torch.tensor(s.token_ids[s.num_prompt_tokens :], dtype=torch.int64)
+            counts[i].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+            seen[i, torch.tensor(s.token_ids, dtype=torch.int64)] = True
+        m.output_counts, m.seen_mask = counts.to(device), seen.to(device)
+    return m

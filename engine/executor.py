@@ -1,0 +1,39 @@
+"""The engine core's handle on its worker, found by name: the core's code never imports the worker's.
+
+One worker in the engine-core process (tensor parallelism would put one per device behind the same
+calls). Everything that crosses is the step contract (engine/step.py) or a plain value.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from engine.config import EngineConfig
+from engine.step import ModelRunnerOutput, SchedulerOutput
+
+WORKER_CLASS = "compiled.worker.Worker"
+
+
+def import_worker_module() -> None:
+    """Import the worker's module (torch, Dynamo, Inductor): seconds that can overlap other start-up work."""
+    importlib.import_module(WORKER_CLASS.rpartition(".")[0])
+
+
+class Executor:
+    def __init__(self, config: EngineConfig, model_dir: str, gguf_file: str | None = None) -> None:
+        module, _, name = WORKER_CLASS.rpartition(".")
+        self.worker = getattr(importlib.import_module(module), name)(config, model_dir, gguf_file)
+        self.config: EngineConfig = self.worker.config  # budgets resolved for the device
+        self.max_model_len: int = self.worker.max_model_len
+        self.dtype: str = self.worker.dtype
+        self.device: str = self.worker.device
+
+    def initialize(self) -> int:
+        """Size and allocate the KV cache, then compile and warm up; returns the number of KV blocks."""
+        num_blocks = self.worker.determine_num_blocks()
+        self.worker.initialize_kv_cache(num_blocks)
+        self.worker.warm_up()
+        return num_blocks
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(so)

@@ -1,0 +1,70 @@
+"""What LLM and AsyncLLM share: the engine-core process, the tokenizer, and the request bookkeeping."""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.core_client import CoreClient
+from engine.input_processor import Conversation, InputProcessor, PreparedRequest, Prompt
+from engine.model_files import DEFAULT_MODEL_NAME, eos_token_ids, load_tokenizer, locate_model
+from engine.output_processor import OutputProcessor
+from engine.params import SamplingParams
+
+
+class FrontEnd:
+    """Starts the engine core, then tokenizes, validates, registers and detokenizes in the caller's process."""
+
+    client: CoreClient
+
+    def __init__(self, model: str | None, client_cls: type[CoreClient], engine_args: dict[str, Any]) -> None:
+        self.config = EngineConfig(model=model, **engine_args)
+        # The core process starts first: its imports overlap ours and the model's resolution, and its
+        # weight load and warm-up overlap the tokenizer's load.
+        self.client = client_cls()
+        try:
+            self.model_dir, gguf_file = locate_model(model)
+            self.client.start(self.config, self.model_dir, gguf_file)
+            self.model_name = self.config.served_model_name or (model or DEFAULT_MODEL_NAME)
+            # A GGUF's first start: its tokenizer is in the directory the core is converting it into.
+            self.tokenizer = load_tokenizer(self.model_dir) if gguf_file is None else None
+            ready = self.client.wait_ready()
+            self.tokenizer = self.tokenizer or load_tokenizer(self.model_dir)
+        except BaseException:
+            self.client.shutdown()
+            raise
+        self.config = ready.config
+        self.max_model_len = ready.max_model_len
+        self.processor = InputProcessor(self.tokenizer, ready.max_model_len, eos_token_ids(self.model_dir, self.tokenizer))
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def process(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> PreparedRequest:
+        """Validate one prompt (InvalidRequestError names what is wrong); nothing is sent yet."""
+        request_id = request_id or f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        return self.processor.process(request_id, prompt, params, time.time())
+
+    def _add(self, request: PreparedRequest) -> None:
+        self.output_processor.add_request(request)
+        for req in request.core_requests:
+            self.client.add_request(req)
+
+    def chat_prompt(self, conversation: Conversation, add_generation_prompt: bool = True,
+                    chat_template_kwargs: dict | None = None) -> list[int]:
+        return self.processor.chat_prompt(conversation, add_generation_prompt, chat_template_kwargs)
+
+    def shutdown(self) -> None:
+        if getattr(self, "client", None) is not None:
+            self.client.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        self.shutdown()

@@ -1,0 +1,88 @@
+"""Prompts into engine-core requests: the one place a prompt and its params are checked against the model.
+
+A prompt (text, token ids or a conversation) becomes validated token ids and one EngineCoreRequest per
+sample: n > 1 fans out into n core requests that share the prompt's cached blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from engine.errors import InvalidRequestError
+from engine.messages import EngineCoreRequest
+from engine.params import SamplingParams
+
+Prompt = str | list[int]
+Conversation = list[dict[str, Any]]
+
+
+@dataclass
+class PreparedRequest:
+    """A validated request, ready to send: `params.max_tokens` is resolved against the context."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    core_requests: list[EngineCoreRequest]
+
+
+class InputProcessor:
+    """Tokenize, apply the chat template and validate against the model's limits."""
+
+    def __init__(self, tokenizer, max_model_len: int, eos_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
+        self.extra_stop_ids = eos_token_ids[1:]  # e.g. Llama 3's <|eot_id|> besides <|end_of_text|>
+        self.vocab_size = len(tokenizer)
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return list(prompt)
+
+    def chat_prompt(self, conversation: Conversation, add_generation_prompt: bool = True,
+                    chat_template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of a conversation through the tokenizer's chat template."""
+        if self.tokenizer.chat_template is None:
+            raise InvalidRequestError("this model's tokenizer has no chat template", "messages")
+        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False, **(chat_template_kwargs or {}))
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Check the prompt fits; return params with max_tokens resolved against the context."""
+        n, limit = len(prompt_ids), self.max_model_len
+        if not prompt_ids:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        room = limit - n
+        if room < 1:
+            raise InvalidRequestError(f"prompt has {n} tokens; the model's context is {limit} tokens, "
+                                      "leaving none to generate", "prompt")
+        for field in ("min_tokens", "max_tokens"):
+            value = getattr(params, field)
+            if value is not None and value > room:
+                raise InvalidRequestError(f"{field}={value} plus the prompt's {n} tokens exceeds the model's "
+                                          f"context of {limit} tokens", field)
+        return msgspec.structs.replace(params, max_tokens=room) if params.max_tokens is None else params
+
+    def process(self, request_id: str, prompt: Prompt, params: SamplingParams, arrival_time: float) -> PreparedRequest:
+        """Validate `prompt` and build its core requests; sample i of a seeded request uses seed + i."""
+        prompt_ids = self.tokenize(prompt)
+        params = self.validate(prompt_ids, params)
+        child = params
+        if self.extra_stop_ids:
+            child = msgspec.structs.replace(params, stop_token_ids=[*params.stop_token_ids, *self.extra_stop_ids])
+        reqs = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            sample = msgspec.structs.replace(child, n=1, seed=seed)
+            reqs.append(EngineCoreRequest(rid, prompt_ids, sample, arrival_time, self.eos_token_id))
+        return PreparedRequest(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params, reqs)

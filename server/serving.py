@@ -1,0 +1,333 @@
+"""What the OpenAI endpoints share: reading and checking a body, HTTP-only limits, generating through the
+engine with metrics, merging several generations, the SSE stream and its chunk loop.
+
+A request lives in the engine only while its client does: a streaming response is cancelled by
+Starlette when the client goes, a non-streaming one races its generation against the connection's
+`http.disconnect`; either way closing `AsyncLLM.generate` aborts the request in the engine core,
+which frees its KV blocks and stops computing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import msgspec
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+
+from engine.errors import InvalidRequestError
+from engine.input_processor import PreparedRequest
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.params import SamplingParams
+from server.errors import APIError, as_api_error, bad_param, encode, short, validation_error
+from server.logprobs import TokenStrings
+from server.metrics import RequestTracker, ServerMetrics
+from server.protocol import ChatMessage, UsageInfo, _SamplingRequest
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+MAX_N = 128  # samples per prompt
+MAX_CHOICES = 256  # prompts x n in one request
+MAX_LOGPROBS = 20
+MAX_STOP = 64  # stop strings or stop token ids
+_INT32_MAX = 2**31 - 1
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+class Disconnected(Exception):
+    """The client went away before its response was ready."""
+
+
+class _SSEResponse(StreamingResponse):
+    """Closes its generator however the response ends, so the engine request is always aborted."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except ClientDisconnect:
+            pass
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(generator index, item) from several generators as items arrive; closing this cancels them all."""
+    if len(gens) == 1:
+        async with contextlib.aclosing(gens[0]) as gen:
+            async for item in gen:
+                yield 0, item
+        return
+    tasks: dict[asyncio.Task, int] = {asyncio.ensure_future(anext(g)): i for i, g in enumerate(gens)}
+    try:
+        while tasks:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = tasks.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                tasks[asyncio.ensure_future(anext(gens[i]))] = i
+                yield i, item
+    finally:
+        # This may run inside a cancelled scope: nothing here may wait (the generators' cleanup is synchronous).
+        for task, i in tasks.items():
+            if not task.done():
+                task.cancel()  # lands in the generator's pending step: its `finally` aborts the engine request
+                continue
+            if not task.cancelled():
+                task.exception()  # retrieved: no "exception never retrieved" warning
+            with contextlib.suppress(BaseException):
+                await gens[i].aclose()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class PromptIds:
+    __slots__ = ("ids", "text")
+
+    def __init__(self, text: str | None, ids: list[int]) -> None:
+        self.text, self.ids = text, ids
+
+
+def _as_token_ids(value: Any) -> list[int] | None:
+    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return value
+    return None
+
+
+class Serving:
+    """The endpoints' shared state (the engine front end, metrics, token strings) and plumbing."""
+
+    def __init__(self, llm, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        self.llm = llm
+        self.max_body_bytes = max_body_bytes
+        self.model_name: str = llm.model_name
+        self.metrics = ServerMetrics(self.model_name)
+        self.tokens = TokenStrings(llm.tokenizer)
+        self.created = int(time.time())
+        self._decoders: dict[type, msgspec.json.Decoder] = {}
+
+    async def read(self, request: Request, cls: type) -> Any:
+        limit = self.max_body_bytes
+        length = request.headers.get("content-length")
+        too_large = length is not None and length.isdigit() and int(length) > limit
+        if too_large and int(length) > 4 * limit:  # type: ignore[arg-type]
+            raise self._too_large()
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            too_large = too_large or size > limit
+            if not too_large:
+                chunks.append(chunk)
+            elif size > 4 * limit:
+                break
+            # else: drain what is left of a moderately oversized body, so that the 413 reaches the client
+            # before the connection closes (closing on unread data resets it)
+        if too_large:
+            raise self._too_large()
+        decoder = self._decoders.get(cls)
+        if decoder is None:
+            decoder = self._decoders[cls] = msgspec.json.Decoder(cls)
+        try:
+            return decoder.decode(b"".join(chunks))
+        except msgspec.ValidationError as e:
+            raise validation_error(e) from None
+        except msgspec.DecodeError as e:
+            raise APIError(400, f"request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise APIError(400, "request body is not valid JSON: nested too deeply") from None
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes",
+                        code="request_too_large")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {short(model)} does not exist; this server serves "
+                                f"{self.model_name!r}", "model", code="model_not_found")
+
+    def sampling_params(self, b: _SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                         max_tokens_param: str = "max_tokens") -> SamplingParams:
+        n = 1 if b.n is None else b.n
+        mt = max_tokens_param
+        stop = [b.stop] if isinstance(b.stop, str) else list(b.stop or [])
+        stop_ids = list(b.stop_token_ids or [])
+        checks = [
+            (1 <= n <= MAX_N, "n", f"n must be between 1 and {MAX_N} (got {n})"),
+            (max_tokens is None or max_tokens >= 1, mt, f"{mt} must be at least 1 (got {max_tokens})"),
+            (max_tokens is None or max_tokens <= self.llm.max_model_len, mt,
+             f"{mt}={max_tokens} exceeds the model's context of {self.llm.max_model_len} tokens"),
+            (logprobs is None or 0 <= logprobs <= MAX_LOGPROBS, "logprobs",
+             f"logprobs must be between 0 and {MAX_LOGPROBS} (got {logprobs})"),
+            (b.top_k is None or -1 <= b.top_k <= _INT32_MAX, "top_k", f"top_k must be -1, 0 or positive (got {b.top_k})"),
+            (b.min_tokens is None or 0 <= b.min_tokens <= _INT32_MAX, "min_tokens",
+             f"min_tokens must be non-negative (got {b.min_tokens})"),
+            (b.seed is None or _INT64_MIN <= b.seed <= _INT64_MAX - MAX_N, "seed",
+             "seed must be a signed 64-bit integer"),
+            (len(stop) <= MAX_STOP, "stop", f"at most {MAX_STOP} stop strings are allowed"),
+            (len(stop_ids) <= MAX_STOP, "stop_token_ids", f"at most {MAX_STOP} stop token ids are allowed"),
+            (all(0 <= t <= _INT32_MAX for t in stop_ids), "stop_token_ids", "stop_token_ids must be token ids"),
+        ]
+        for ok, param, message in checks:
+            if not ok:
+                raise APIError(400, message, param)
+        kwargs: dict[str, Any] = dict(
+            n=n, max_tokens=max_tokens, logprobs=logprobs, stop=stop, stop_token_ids=stop_ids, seed=b.seed,
+            temperature=1.0 if b.temperature is None else b.temperature,
+            top_p=1.0 if b.top_p is None else b.top_p,
+            top_k=b.top_k or 0, min_p=b.min_p or 0.0,
+            presence_penalty=b.presence_penalty or 0.0, frequency_penalty=b.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if b.repetition_penalty is None else b.repetition_penalty,
+            min_tokens=b.min_tokens or 0, ignore_eos=bool(b.ignore_eos),
+            include_stop_str_in_output=bool(b.include_stop_str_in_output),
+            skip_special_tokens=True if b.skip_special_tokens is None else b.skip_special_tokens,
+        )
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as e:
+            raise bad_param(e) from None
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        try:
+            return self.llm.processor.tokenize(prompt)
+        except InvalidRequestError:
+            raise
+        except Exception as e:  # the tokenizer rejects some strings (lone surrogates)
+            raise APIError(400, f"could not tokenize the prompt: {e}", "prompt") from None
+
+    def prepare(self, request_id: str, ids: list[int], params: SamplingParams) -> PreparedRequest:
+        """Validate a prompt against the model (the engine's one check); nothing is sent yet."""
+        try:
+            return self.llm.process(ids, params, request_id)
+        except InvalidRequestError as e:
+            raise as_api_error(e, "") from None
+        except ValueError as e:  # SamplingParams' own checks, with max_tokens resolved
+            raise bad_param(e) from None
+
+    def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool, kwargs: dict | None) -> list[int]:
+        if not messages:
+            raise APIError(400, "messages must not be empty", "messages")
+        conversation = []
+        for i, msg in enumerate(messages):
+            role = "system" if msg.role == "developer" else msg.role
+            if role not in ("system", "user", "assistant"):
+                raise APIError(400, f"messages[{i}].role must be system, user or assistant (got {short(msg.role)})",
+                               f"messages[{i}].role")
+            content = msg.content
+            if isinstance(content, list):
+                texts = []
+                for j, part in enumerate(content):
+                    if part.type != "text" or part.text is None:
+                        raise APIError(400, f"messages[{i}].content[{j}]: only text parts are supported "
+                                            f"(got type {short(part.type)})", f"messages[{i}].content")
+                    texts.append(part.text)
+                content = "\n".join(texts)
+            if content is None:
+                if role != "assistant":
+                    raise APIError(400, f"messages[{i}].content is required", f"messages[{i}].content")
+                content = ""
+            conversation.append({"role": role, "content": content})
+        try:
+            return self.llm.chat_prompt(conversation, add_generation_prompt, kwargs)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), e.param or "messages") from None
+        except Exception as e:  # a template error, or chat_template_kwargs the template cannot take
+            param = "chat_template_kwargs" if kwargs else "messages"
+            raise APIError(400, f"could not apply the chat template to these {param}: {type(e).__name__}: {e}",
+                           param) from None
+
+    async def generate(self, request: PreparedRequest) -> AsyncIterator[RequestOutput]:
+        tracker = RequestTracker(self.metrics, request.request_id, len(request.prompt_token_ids), request.params.n)
+        try:
+            async with contextlib.aclosing(self.llm.generate(request)) as gen:
+                async for out in gen:
+                    tracker.update(out)
+                    yield out
+        finally:
+            tracker.close()
+
+    async def until_disconnected(self, request: Request, work: Awaitable[Any]) -> Any:
+        """Run `work` unless the client goes first; then cancel it (which aborts its engine requests)."""
+        task = asyncio.ensure_future(work)
+        watch = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not task.done():
+                task.cancel()  # the client is gone (or this handler was cancelled)
+        if task.done() and not task.cancelled():
+            return task.result()
+        raise Disconnected
+
+    async def collect(self, gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(gens)
+        async with contextlib.aclosing(merge(gens)) as merged:
+            async for i, out in merged:
+                finals[i] = out
+        if any(f is None or not f.finished for f in finals):
+            raise APIError(500, "the engine ended a request without finishing it")
+        return finals  # type: ignore[return-value]
+
+    @staticmethod
+    def usage(prompts: list[PromptIds], finals: list[RequestOutput] | None = None, generated: int = 0) -> UsageInfo:
+        prompt_tokens = sum(len(p.ids) for p in prompts)
+        if finals is not None:
+            generated = sum(len(c.token_ids) for f in finals for c in f.outputs)
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=generated, total_tokens=prompt_tokens + generated)
+
+    def sse(self, chunks: AsyncIterator[msgspec.Struct]) -> Response:
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async with contextlib.aclosing(chunks) as gen:
+                    async for chunk in gen:
+                        yield b"data: " + encode(chunk) + b"\n\n"
+            except Exception as e:
+                yield b"data: " + as_api_error(e, "while streaming a response").response().body + b"\n\n"
+            yield b"data: [DONE]\n\n"
+
+        return _SSEResponse(body(), media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+
+def has_news(c: CompletionOutput, text: str, logprobs: object, token_ids: bool) -> bool:
+    """Whether a choice's chunk would carry anything: text, logprobs, its finish, or asked-for token ids."""
+    return bool(text) or logprobs is not None or c.finished or (token_ids and bool(c.delta_token_ids))
+
+
+class ChoiceStream:
+    """The chunk loop both endpoints stream: per step of the merged generations, the choices with something
+    new. `make_choice(prompt index, choice index, output)` builds one, or None when it has nothing to send;
+    a finished choice is sent once. `generated` counts every token, sent or not."""
+
+    def __init__(self, gens: list[AsyncIterator[RequestOutput]], n: int,
+                 make_choice: Callable[[int, int, CompletionOutput], Any | None]) -> None:
+        self.gens, self.n, self.make_choice = gens, n, make_choice
+        self.generated = 0
+
+    async def __aiter__(self) -> AsyncIterator[list]:
+        done: set[int] = set()
+        async with contextlib.aclosing(merge(self.gens)) as merged:
+            async for i, out in merged:
+                choices = []
+                for c in out.outputs:
+                    index = i * self.n + c.index
+                    self.generated += len(c.delta_token_ids)
+                    if index in done or (choice := self.make_choice(i, index, c)) is None:
+                        continue
+                    if c.finished:
+                        done.add(index)
+                    choices.append(choice)
+                if choices:
+                    yield choices

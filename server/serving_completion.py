@@ -1,0 +1,120 @@
+"""/v1/completions: one or more prompts (text or token ids), n samples each, whole or streamed."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from engine.outputs import CompletionOutput
+from engine.params import SamplingParams
+from server.errors import APIError, json_response
+from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from server.serving import MAX_CHOICES, ChoiceStream, PromptIds, Serving, has_news
+
+
+def _as_token_ids(value: Any) -> list[int] | None:
+    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return value
+    return None
+
+
+class CompletionServing:
+    def __init__(self, serving: Serving) -> None:
+        self.s = serving
+
+    async def create(self, request: Request) -> Response:
+        s = self.s
+        b: CompletionRequest = await s.read(request, CompletionRequest)
+        s.check_model(b.model)
+        prompts = self.prompts(b.prompt)
+        max_tokens = 16 if b.max_tokens is msgspec.UNSET else b.max_tokens
+        params = s.sampling_params(b, max_tokens, b.logprobs)  # type: ignore[arg-type]
+        if len(prompts) * params.n > MAX_CHOICES:
+            raise APIError(400, f"prompts x n must be at most {MAX_CHOICES} (got {len(prompts)} x {params.n})", "n")
+        if b.echo and b.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+        prepared = [s.prepare(r, p.ids, params) for r, p in zip(ids, prompts)]
+        gens = [s.generate(p) for p in prepared]
+        created = int(time.time())
+        if b.stream:
+            include_usage = bool(b.stream_options and b.stream_options.include_usage)
+            return s.sse(self.chunks(rid, created, prompts, params, gens, bool(b.echo), include_usage,
+                                     bool(b.return_token_ids)))
+        finals = await s.until_disconnected(request, s.collect(gens))
+        choices = []
+        for i, (p, final) in enumerate(zip(prompts, finals)):
+            for c in final.outputs:
+                prefix = self.echo_text(p) if b.echo else ""
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs, _ = s.tokens.completion_logprobs(c.token_ids, c.logprobs or [], 0)
+                choice = CompletionChoice(index=i * params.n + c.index, text=prefix + c.text, logprobs=logprobs,
+                                          finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                if b.return_token_ids:
+                    choice.prompt_token_ids, choice.token_ids = p.ids, c.token_ids
+                choices.append(choice)
+        return json_response(CompletionResponse(id=rid, object="text_completion", created=created,
+                                                model=s.model_name, choices=choices, usage=s.usage(prompts, finals)))
+
+    def echo_text(self, p: PromptIds) -> str:
+        return p.text if p.text is not None else self.s.llm.tokenizer.decode(p.ids)
+
+    def prompts(self, prompt: Any) -> list[PromptIds]:
+        """str | list[str] | list[int] | list[list[int]] (msgspec unions hold one array type: checked here)."""
+        tokenize = self.s.tokenize
+        if isinstance(prompt, str):
+            return [PromptIds(prompt, tokenize(prompt))]
+        if isinstance(prompt, list) and prompt:
+            if all(isinstance(p, str) for p in prompt):
+                return [PromptIds(p, tokenize(p)) for p in prompt]
+            if (ids := _as_token_ids(prompt)) is not None:
+                return [PromptIds(None, ids)]
+            lists = [_as_token_ids(p) for p in prompt]
+            if all(ids is not None for ids in lists):
+                return [PromptIds(None, ids) for ids in lists]  # type: ignore[arg-type]
+        if isinstance(prompt, list) and not prompt:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
+                            f"token-id lists (got {type(prompt).__name__})", "prompt")
+
+    async def chunks(self, rid: str, created: int, prompts: list[PromptIds], params: SamplingParams, gens,
+                     echo: bool, include_usage: bool, token_ids: bool) -> AsyncIterator[CompletionResponse]:
+        s = self.s
+        started: set[int] = set()
+        offsets: dict[int, int] = {}  # text offset of each choice's next logprob
+
+        def choice(i: int, index: int, c: CompletionOutput) -> CompletionChoice | None:
+            text, first = c.delta_text, index not in started
+            if first:
+                prefix = self.echo_text(prompts[i]) if echo else ""
+                text, offsets[index] = prefix + text, len(prefix)
+            logprobs = None
+            if params.logprobs is not None and c.delta_token_ids:
+                logprobs, offsets[index] = s.tokens.completion_logprobs(c.delta_token_ids, c.delta_logprobs,
+                                                                        offsets[index])
+            if not has_news(c, text, logprobs, token_ids):
+                return None  # the echo goes out with the first chunk actually sent
+            started.add(index)
+            out = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
+                                   stop_reason=c.stop_reason)
+            if token_ids:
+                out.token_ids = c.delta_token_ids
+                if first:
+                    out.prompt_token_ids = prompts[i].ids
+            return out
+
+        stream = ChoiceStream(gens, params.n, choice)
+        async for choices in stream:
+            yield CompletionResponse(id=rid, object="text_completion", created=created, model=s.model_name,
+                                     choices=choices)
+        if include_usage:
+            yield CompletionResponse(id=rid, object="text_completion", created=created, model=s.model_name,
+                                     choices=[], usage=s.usage(prompts, generated=stream.generated))

@@ -1,1 +1,1 @@
-"""kiln's "compute" box: models, paged attention, the model runner (torch.compile) and the sampler."""
+"""kiln's "compute" box, the worker: models, paged attention, model runner, compile policy, sampler."""

@@ -65,9 +65,11 @@ def kv_lanes(device: torch.device, dtype: torch.dtype, block_size: int, head_dim
     return math.gcd(vector_bytes // dtype.itemsize, block_size, head_dim)
 
 
-def new_kv_cache(num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int, device: torch.device,
-                 dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """One layer's K [blocks, n_kv_heads, block_size / c, head_dim, c] and V [blocks, n_kv_heads, head_dim / c, block_size, c].
+def new_kv_cache(
+    num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """One layer's K [blocks, n_kv_heads, block_size / c, head_dim, c] and
+    V [blocks, n_kv_heads, head_dim / c, block_size, c].
 
     Uninitialised but for the null block: every read masks the slots a sequence has not written, so
     nothing has to touch gigabytes at start. The null block starts zeroed because the warm-up's
@@ -109,8 +111,9 @@ def _decode_setup(q: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Te
     return q.view(B, Hkv, H // Hkv, D), valid  # the GQA group folded next to its KV head
 
 
-def decode_attention_reduction(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                               scale: float) -> Tensor:
+def decode_attention_reduction(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float
+) -> Tensor:
     """One query per row, q [B, H, D] -> [B, H, D], as reductions over the pages in place: compiled,
     Inductor fuses the indirect loads into them and never materialises the gathered K/V (eagerly this
     would build a [B, W, Hkv, bs, D] product)."""
@@ -125,13 +128,16 @@ def decode_attention_reduction(q: Tensor, k_cache: Tensor, v_cache: Tensor, bloc
     scores = torch.stack([(qf[:, None, :, g, None, :, None] * k).sum(4) for g in range(G)], 3) * scale
     scores = scores.view(B, W, Hkv, G, bs).masked_fill(~valid[:, :, None, None, :], float("-inf"))
     e = (scores - scores.amax(dim=(1, 4), keepdim=True)).exp()  # [B, W, Hkv, G, bs]
-    out = torch.stack([(e[:, :, :, g, None, :, None] * v).sum(dim=(1, 4)) for g in range(G)], 2)  # [B, Hkv, G, D/c, c]
+    out = torch.stack(
+        [(e[:, :, :, g, None, :, None] * v).sum(dim=(1, 4)) for g in range(G)], 2
+    )  # [B, Hkv, G, D/c, c]
     out = out.view(B, Hkv, G, D) / e.sum(dim=(1, 4))[..., None]
     return out.to(q.dtype).reshape(B, H, D)
 
 
-def decode_attention_matmul(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                            scale: float) -> Tensor:
+def decode_attention_matmul(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float
+) -> Tensor:
     """The same as `decode_attention_reduction`, over gathered K/V with matmuls: the eager formulation."""
     B, H, D = q.shape
     q, valid = _decode_setup(q, v_cache, block_tables, seq_lens)
@@ -143,7 +149,9 @@ def decode_attention_matmul(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
     return out.to(q.dtype).reshape(B, H, D)
 
 
-def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+def prefill_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
+) -> Tensor:
     """Multi-token chunks: q [T, H, D] (the whole step) -> [T - Bd, H, D] for the chunk tokens."""
     k = _gather_keys(k_cache, meta.prefill_block_tables)  # [P, Hkv, L, D]
     v = _gather_values(v_cache, meta.prefill_block_tables)
@@ -158,8 +166,14 @@ def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attenti
     return out.transpose(1, 2).reshape(P * Qp, H, D)[meta.prefill_out_index]
 
 
-def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float,
-                    decode: DecodeAttention = decode_attention_matmul) -> Tensor:
+def paged_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    decode: DecodeAttention = decode_attention_matmul,
+) -> Tensor:
     """Attention for a packed step, after its K/V were written: q [T, H, D] -> [T, H, D]."""
     Bd = meta.decode_block_tables.shape[0]
     parts = []

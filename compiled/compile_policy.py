@@ -106,8 +106,10 @@ class CompilePolicy:
         hidden = self.model.forward(token_ids, positions, meta, block=block)
         graph = guard_free.GuardFreeGraph.lookup(TransformerBlock.forward, *seen[-1])
         if graph is None:
-            logger.warning("decode steps of %s rows keep Dynamo's guarded calls: it compiled no graph for them",
-                           "one" if one_row else "several")
+            logger.warning(
+                "decode steps of %s rows keep Dynamo's guarded calls: it compiled no graph for them",
+                "one" if one_row else "several",
+            )
         else:
             graph.go_direct(lambda wrapped, direct: _same_layer_step(wrapped, direct, *seen[-1]))
         self.decode_graphs[one_row] = graph or _guarded_block
@@ -118,15 +120,24 @@ def _guarded_block(layer: TransformerBlock, *args: object) -> Tensor:
     return layer(*args)
 
 
-def _same_layer_step(wrapped: Callable, direct: Callable, layer: TransformerBlock, h: Tensor, cos: Tensor,
-                     sin: Tensor, meta: AttentionMetadata) -> bool:
+def _same_layer_step(
+    wrapped: Callable,
+    direct: Callable,
+    layer: TransformerBlock,
+    h: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    meta: AttentionMetadata,
+) -> bool:
     """Whether `direct` computes what `wrapped` does on one layer step: the same hidden states, and the
     same K/V in the slots it writes (poisoned with NaN first, so a lost write cannot pass)."""
     attn, slots = layer.attention, meta.slot_mapping
     blocks = (slots // attn.v_cache.shape[3]).unique()
     expected = wrapped(layer, h, cos, sin, meta)
     kv = attn.k_cache[blocks].clone(), attn.v_cache[blocks].clone()
-    nan = torch.full((slots.shape[0], attn.n_kv_heads, attn.head_dim), float("nan"), dtype=h.dtype, device=h.device)
+    nan = torch.full(
+        (slots.shape[0], attn.n_kv_heads, attn.head_dim), float("nan"), dtype=h.dtype, device=h.device
+    )
     write_kv(attn.k_cache, attn.v_cache, nan, nan, slots)
     got = direct(layer, h, cos, sin, meta)
     same_kv = torch.equal(attn.k_cache[blocks], kv[0]) and torch.equal(attn.v_cache[blocks], kv[1])

@@ -56,19 +56,25 @@ class GuardFreeGraph:
     def go_direct(self, verify: Callable[[Callable, Callable], bool]) -> None:
         """Call Inductor's module from Dynamo's bytecode, if `verify(wrapped_call, direct_call)` holds."""
         g = self.fn.__globals__
-        modules = {n: _inductor_module(g[n]) for n in self.entry.code.co_names if n.startswith("__compiled_fn")}
+        modules = {
+            n: _inductor_module(g[n]) for n in self.entry.code.co_names if n.startswith("__compiled_fn")
+        }
         if len(modules) != 1 or None in modules.values():
             return
         direct = types.FunctionType(self.entry.code, {**g, **modules}, self.fn.__name__)
         if verify(self.call, direct):
             self.call, self.direct = direct, True
         else:
-            logger.warning("decode layers keep AOTAutograd's runtime wrapper: Inductor's module failed the self-check")
+            logger.warning(
+                "decode layers keep AOTAutograd's runtime wrapper: Inductor's module failed the self-check"
+            )
 
     def __call__(self, *args: object) -> Tensor:
         if self.check_guards:
             verdict = self.guards.check_verbose(self.signature.bind(*args).arguments)
-            assert verdict.result, f"a guard-free call would fail its graph's guards: {verdict.verbose_code_parts}"
+            assert verdict.result, (
+                f"a guard-free call would fail its graph's guards: {verdict.verbose_code_parts}"
+            )
         return self.call(*args)
 
 

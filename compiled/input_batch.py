@@ -100,7 +100,9 @@ class InputBatch:
     its blocks and the rest 0 (the null block); the last row (`null_row`) is all zeros, for padding.
     """
 
-    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, device: torch.device
+    ) -> None:
         self.block_size, self.device = block_size, device
         self.buckets = decode_buckets(max_num_seqs)
         self.table_width = max(max_blocks_per_seq, 2)
@@ -121,24 +123,40 @@ class InputBatch:
             row = self.free_rows.pop()
             self.block_table[row, : len(new.block_ids)] = torch.tensor(new.block_ids, dtype=torch.int64)
             self.requests[new.req_id] = CachedRequestState(
-                new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params, new.seed, row,
-                len(new.block_ids), new.num_computed_tokens)
+                new.req_id,
+                list(new.token_ids),
+                new.num_prompt_tokens,
+                new.sampling_params,
+                new.seed,
+                row,
+                len(new.block_ids),
+                new.num_computed_tokens,
+            )
         for cached in so.cached_reqs:
             state = self.requests[cached.req_id]
             if cached.new_block_ids:
                 n = len(cached.new_block_ids)
                 self.block_table[state.row, state.num_blocks : state.num_blocks + n] = torch.tensor(
-                    cached.new_block_ids, dtype=torch.int64)
+                    cached.new_block_ids, dtype=torch.int64
+                )
                 state.num_blocks += n
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def split(self, num_scheduled: dict[str, int]) -> tuple[list[CachedRequestState], list[CachedRequestState]]:
+    def split(
+        self, num_scheduled: dict[str, int]
+    ) -> tuple[list[CachedRequestState], list[CachedRequestState]]:
         """The scheduled requests with one query (in schedule order), then those with a multi-token chunk."""
         states = [self.requests[rid] for rid in num_scheduled]
-        return [s for s in states if num_scheduled[s.req_id] == 1], [s for s in states if num_scheduled[s.req_id] > 1]
+        return [s for s in states if num_scheduled[s.req_id] == 1], [
+            s for s in states if num_scheduled[s.req_id] > 1
+        ]
 
-    def prepare(self, singles: list[CachedRequestState], chunks: list[CachedRequestState],
-                num_scheduled: dict[str, int]) -> StepBatch:
+    def prepare(
+        self,
+        singles: list[CachedRequestState],
+        chunks: list[CachedRequestState],
+        num_scheduled: dict[str, int],
+    ) -> StepBatch:
         bs = self.block_size
         # Dynamo specialises sizes 0 and 1, so a step with chunks carries at least two decode rows
         # (padding rows cost a short attention each): chunk-only and mixed steps then share graphs.
@@ -185,7 +203,12 @@ class InputBatch:
                 sampled.append(s)
         out_index = [p * q_max + j for p, n in enumerate(chunk_lens) for j in range(n)]
 
-        rows_a, pos_a, table, put = np.array(rows), np.array(positions), self.block_table.numpy(), self.inputs.put
+        rows_a, pos_a, table, put = (
+            np.array(rows),
+            np.array(positions),
+            self.block_table.numpy(),
+            self.inputs.put,
+        )
         chunk_rows = [s.row for s in chunks]
         meta = AttentionMetadata(
             slot_mapping=put("slot_mapping", table[rows_a, pos_a // bs] * bs + pos_a % bs),
@@ -199,7 +222,9 @@ class InputBatch:
         return StepBatch(put("token_ids", token_ids), put("positions", pos_a), meta, logits_index, sampled)
 
 
-def sampling_inputs(states: list[CachedRequestState], vocab_size: int, device: torch.device) -> SamplingMetadata:
+def sampling_inputs(
+    states: list[CachedRequestState], vocab_size: int, device: torch.device
+) -> SamplingMetadata:
     """The sampler's per-row parameters for the sampled requests of a step."""
     params = [s.sampling_params for s in states]
     f32 = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731

@@ -1,4 +1,4 @@
-"""Weights from an HF directory (safetensors) onto our modules, and a GGUF file's one-time conversion into one.
+"""Weights from an HF directory (safetensors) onto our modules, and a GGUF file's one-time conversion.
 
 Where a model's files are is decided without torch, in engine/model_files.py; a GGUF file's conversion
 (config, tokenizer, safetensors) then loads in about a second instead of half a minute at later starts.
@@ -58,11 +58,18 @@ def load_config(model_dir: str):
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """'auto' is bfloat16 where the hardware computes it fast (CUDA, AMX or AVX-512-BF16 CPUs), else float32."""
+    """'auto': bfloat16 where the hardware computes it fast (CUDA, AMX or AVX-512-BF16 CPUs), else float32."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+        "half": torch.float16,
+    }
     if dtype in names:
         return names[dtype]
     if dtype != "auto":
@@ -100,7 +107,7 @@ def convert_state_dict(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for ours, (pattern, _) in _FUSED.items():
             m = re.match(pattern, name)
             if m:
-                key = m.expand(ours) + name[m.end():]
+                key = m.expand(ours) + name[m.end() :]
                 parts.setdefault(key, {})[m.group(2)] = tensor
                 break
         else:
@@ -147,13 +154,18 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> Tran
     expected = {n for n, _ in model.named_parameters()}
     missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
     if missing or unexpected:
-        raise ValueError(f"weights in {model_dir} do not match the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
+        raise ValueError(
+            f"weights in {model_dir} do not match the model: "
+            f"missing {missing[:8]}, unexpected {unexpected[:8]}"
+        )
     for name, tensor in state.items():
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
         expected_shape = getattr(module, attr).shape
         if tuple(tensor.shape) != tuple(expected_shape):
-            raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, the config implies {tuple(expected_shape)}")
+            raise ValueError(
+                f"weight {name} has shape {tuple(tensor.shape)}, the config implies {tuple(expected_shape)}"
+            )
         setattr(module, attr, nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False))
     if args.tie_word_embeddings:
         model.output.weight = model.tok_embeddings.weight

@@ -1,4 +1,4 @@
-"""ModelRunner: turns a SchedulerOutput into input tensors, runs the model as the compile policy says, samples.
+"""ModelRunner: a SchedulerOutput into input tensors, the model run as the compile policy says, then sampling.
 
 The runner keeps per-request state (token ids, a row of the persistent block table) across steps
 (compiled/input_batch.py), so a step only carries what changed.
@@ -35,13 +35,20 @@ class ModelRunner:
         params = {id(p): p for p in self.model.parameters()}.values()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in params)
         self.model.pack_output()
-        logger.info("weights: %.2f GiB %s loaded in %.1f s from %s", self.weight_bytes / 2**30,
-                    str(dtype).removeprefix("torch."), time.perf_counter() - start, config.model)
+        logger.info(
+            "weights: %.2f GiB %s loaded in %.1f s from %s",
+            self.weight_bytes / 2**30,
+            str(dtype).removeprefix("torch."),
+            time.perf_counter() - start,
+            config.model,
+        )
         args = self.model.args
         self.vocab_size = args.vocab_size
         limit = min(args.max_position_embeddings, args.sliding_window or args.max_position_embeddings)
         if config.max_model_len and config.max_model_len > limit:
-            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {limit} tokens")
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's limit of {limit} tokens"
+            )
         self.max_model_len = config.max_model_len or limit
         self.block_size = config.block_size
         self.max_blocks_per_seq = cdiv(self.max_model_len, self.block_size)
@@ -60,12 +67,19 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.model.allocate_kv_cache(num_blocks, self.block_size, self.device, self.dtype)
-        self.policy.mark_kv_cache([c for layer in self.model.layers
-                                   for c in (layer.attention.k_cache, layer.attention.v_cache)])
+        self.policy.mark_kv_cache(
+            [c for layer in self.model.layers for c in (layer.attention.k_cache, layer.attention.v_cache)]
+        )
         gib = num_blocks * self.kv_bytes_per_block() / 2**30
         concurrency = (num_blocks - 1) / self.max_blocks_per_seq
-        logger.info("KV cache: %d blocks × %d tokens = %.2f GiB; max concurrency at max_model_len %d: %.2f",
-                    num_blocks, self.block_size, gib, self.max_model_len, concurrency)
+        logger.info(
+            "KV cache: %d blocks × %d tokens = %.2f GiB; max concurrency at max_model_len %d: %.2f",
+            num_blocks,
+            self.block_size,
+            gib,
+            self.max_model_len,
+            concurrency,
+        )
 
     def warmup(self) -> None:
         """Run every step shape serving meets, so that none compiles while requests wait."""
@@ -75,18 +89,28 @@ class ModelRunner:
         start = time.perf_counter()
         for num_single, chunk_lens in shapes:
             self.dummy_step(num_single, chunk_lens)
-        logger.info("compile/warm-up: %d step shapes (decode buckets %s, prefill and mixed) in %.1f s",
-                    len(shapes), [n for n, chunks in shapes if not chunks], time.perf_counter() - start)
+        logger.info(
+            "compile/warm-up: %d step shapes (decode buckets %s, prefill and mixed) in %.1f s",
+            len(shapes),
+            [n for n, chunks in shapes if not chunks],
+            time.perf_counter() - start,
+        )
 
     def dummy_step(self, num_single: int, chunk_lens: list[int]) -> None:
         """A step over throw-away sequences whose KV all lands in the null block."""
         greedy, null = SamplingParams(temperature=0.0), self.batch.null_row
         ctx = min(WARMUP_CONTEXT, self.max_model_len)
-        singles = [CachedRequestState(f"dummy{i}", [0] * ctx, ctx, greedy, 0, null, 0, ctx - 1)
-                   for i in range(num_single)]
-        chunks = [CachedRequestState(f"dummy{num_single + i}", [0] * n, n, greedy, 0, null, 0, 0)
-                  for i, n in enumerate(chunk_lens)]
-        scheduled = {s.req_id: (1 if i < num_single else len(s.token_ids)) for i, s in enumerate(singles + chunks)}
+        singles = [
+            CachedRequestState(f"dummy{i}", [0] * ctx, ctx, greedy, 0, null, 0, ctx - 1)
+            for i in range(num_single)
+        ]
+        chunks = [
+            CachedRequestState(f"dummy{num_single + i}", [0] * n, n, greedy, 0, null, 0, 0)
+            for i, n in enumerate(chunk_lens)
+        ]
+        scheduled = {
+            s.req_id: (1 if i < num_single else len(s.token_ids)) for i, s in enumerate(singles + chunks)
+        }
         self._run(self.batch.prepare(singles, chunks, scheduled))
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:

@@ -66,7 +66,9 @@ class Worker:
         useful = c.max_num_seqs * r.max_blocks_per_seq + 1
         num_blocks = min(budget // r.kv_bytes_per_block(), useful)
         if num_blocks < 2:
-            raise ValueError(f"KV-cache budget of {budget} bytes holds no block ({r.kv_bytes_per_block()} bytes each)")
+            raise ValueError(
+                f"KV-cache budget of {budget} bytes holds no block ({r.kv_bytes_per_block()} bytes each)"
+            )
         return int(num_blocks)
 
     def _cuda_kv_budget(self) -> int:

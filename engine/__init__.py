@@ -1,16 +1,20 @@
-"""kiln's "decide" box: front end (LLM, detokenizer, clients) and the engine core
-(scheduler, KV-cache manager, block pool). Nothing here imports torch at module level:
-the front end must stay light and single-threaded."""
+"""kiln's "decide" box: the front end (LLM, AsyncLLM, input and output processing, the core client) and
+the engine core (scheduler, KV-cache manager, block pool). Nothing here imports torch: the worker is
+reached by name (engine/executor.py), so a server or `LLM` process never pays for it."""
 
 from engine.params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams"]
 
 
 def __getattr__(name: str):
-    # LLM pulls in the client and tokenizer stack; import it only when asked for.
+    # The front ends pull in the client and tokenizer stack; import them only when asked for.
     if name == "LLM":
         from engine.llm import LLM
 
         return LLM
+    if name == "AsyncLLM":
+        from engine.async_llm import AsyncLLM
+
+        return AsyncLLM
     raise AttributeError(name)

@@ -58,8 +58,12 @@ class AsyncLLM(FrontEnd):
         for queue in self.queues.values():
             queue.put_nowait(EngineDeadError(message))
 
-    async def generate(self, prompt: Prompt | PreparedRequest, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: Prompt | PreparedRequest,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Yield the request's state each time it changes; the last one has `finished` set. `prompt` may
         be a request `process` validated already. Closing the generator early (a client went away)
         aborts the request in the engine."""

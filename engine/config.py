@@ -21,22 +21,34 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
     model: str | None = None  # HF directory, .gguf file, or None for the embedded default
     served_model_name: str | None = None
-    dtype: Annotated[str, _help("auto (bfloat16 where the hardware computes it fast, else float32), "
-                                "float32, bfloat16 or float16")] = "auto"
+    dtype: Annotated[
+        str,
+        _help(
+            "auto (bfloat16 where the hardware computes it fast, else float32), float32, bfloat16 or float16"
+        ),
+    ] = "auto"
     device: Annotated[str, _help("auto, cpu or cuda")] = "auto"
     max_model_len: Annotated[int | None, _help("context length (default: the model's)")] = None
     block_size: Annotated[int, _help("tokens per KV-cache block")] = 16
     max_num_seqs: Annotated[int, _help("sequences one step may compute")] = 64
-    max_num_batched_tokens: Annotated[int | None, _help(
-        "tokens one step may compute (default: 1024 on CPU, 8192 on CUDA or without chunked prefill)")] = None
-    max_num_batched_tokens_decoding: Annotated[int | None, _help(
-        "tokens of a step that carries decodes (default when serving: 64 on CPU, 2048 on CUDA; "
-        "offline: no extra limit)")] = None
+    max_num_batched_tokens: Annotated[
+        int | None,
+        _help("tokens one step may compute (default: 1024 on CPU, 8192 on CUDA or without chunked prefill)"),
+    ] = None
+    max_num_batched_tokens_decoding: Annotated[
+        int | None,
+        _help(
+            "tokens of a step that carries decodes (default when serving: 64 on CPU, 2048 on CUDA; "
+            "offline: no extra limit)"
+        ),
+    ] = None
     usage: str = "offline"  # offline (LLM) | serving (AsyncLLM, kiln serve): which defaults apply
     enable_prefix_caching: Annotated[bool, _help("reuse the KV of shared prompt prefixes")] = True
     enable_chunked_prefill: Annotated[bool, _help("split long prompts over several steps")] = True
     long_prefill_token_threshold: Annotated[int, _help("cap on one prompt's chunk (0: the step budget)")] = 0
-    kv_cache_memory: Annotated[int | None, _help("bytes for the KV cache (default: sized from the device)")] = None
+    kv_cache_memory: Annotated[
+        int | None, _help("bytes for the KV cache (default: sized from the device)")
+    ] = None
     gpu_memory_utilization: Annotated[float, _help("CUDA: fraction of device memory kiln may use")] = 0.9
     cpu_kv_cache_fraction: Annotated[float, _help("CPU: fraction of available RAM for the KV cache")] = 0.25
     num_kv_blocks: int | None = None  # exact pool size (tests); overrides the memory-based sizing
@@ -53,8 +65,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be at least 2"),
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]"),
             (0.0 < self.cpu_kv_cache_fraction < 1.0, "cpu_kv_cache_fraction", "must be in (0, 1)"),
-            (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device",
-             "must be auto, cpu or cuda"),
+            (
+                self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+                "device",
+                "must be auto, cpu or cuda",
+            ),
         ]
         for ok, field, message in checks:
             if not ok:
@@ -73,8 +88,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             # most (BENCHMARKS.md, inter-token latency); offline, larger chunks finish a batch sooner.
             serving = self.usage == "serving" and self.enable_chunked_prefill
             decoding = (2048 if on_cuda else 64) if serving else 0
-        return msgspec.structs.replace(self, max_num_batched_tokens=budget,
-                                       max_num_batched_tokens_decoding=decoding)
+        return msgspec.structs.replace(
+            self, max_num_batched_tokens=budget, max_num_batched_tokens_decoding=decoding
+        )
 
 
 def cli_fields() -> dict[str, tuple[type, object, str]]:
@@ -83,7 +99,9 @@ def cli_fields() -> dict[str, tuple[type, object, str]]:
     defaults = EngineConfig()
     fields = {}
     for name in EngineConfig.__struct_fields__:
-        meta = next((m for m in getattr(hints[name], "__metadata__", ()) if isinstance(m, msgspec.Meta)), None)
+        meta = next(
+            (m for m in getattr(hints[name], "__metadata__", ()) if isinstance(m, msgspec.Meta)), None
+        )
         if meta is not None:
             base = hints[name].__origin__
             kind = next((t for t in getattr(base, "__args__", (base,)) if t is not type(None)), base)

@@ -55,12 +55,19 @@ class EngineCore:
         start = time.perf_counter()
         self.num_blocks = self.executor.initialize()
         logger.info("engine ready in %.1f s after loading weights", time.perf_counter() - start)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
-            max_model_len=self.executor.max_model_len, block_size=c.block_size, num_blocks=self.num_blocks,
-            enable_prefix_caching=c.enable_prefix_caching, enable_chunked_prefill=c.enable_chunked_prefill,
-            long_prefill_token_threshold=c.long_prefill_token_threshold,
-            max_num_batched_tokens_decoding=c.max_num_batched_tokens_decoding))
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=c.max_num_seqs,
+                max_num_batched_tokens=c.max_num_batched_tokens,
+                max_model_len=self.executor.max_model_len,
+                block_size=c.block_size,
+                num_blocks=self.num_blocks,
+                enable_prefix_caching=c.enable_prefix_caching,
+                enable_chunked_prefill=c.enable_chunked_prefill,
+                long_prefill_token_threshold=c.long_prefill_token_threshold,
+                max_num_batched_tokens_decoding=c.max_num_batched_tokens_decoding,
+            )
+        )
         self.scheduled_time: dict[str, float] = {}
         self._tokens = [0, 0]  # prompt, generation tokens since the last stats line
         self._last_stats = time.monotonic()
@@ -70,9 +77,15 @@ class EngineCore:
         return CoreReady(self.config, self.num_blocks, e.max_model_len, e.dtype, e.device)
 
     def add_request(self, req: EngineCoreRequest) -> EngineCoreOutput | None:
-        """Queue a request; a request that can never run is finished at once ("abort", reason in stop_reason)."""
-        request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_id,
-                          req.arrival_time, req.cache_salt)
+        """Queue a request; one that can never run is finished at once ("abort", why in stop_reason)."""
+        request = Request(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling_params,
+            req.eos_token_id,
+            req.arrival_time,
+            req.cache_salt,
+        )
         try:
             self.scheduler.add_request(request)
         except ValueError as e:
@@ -116,9 +129,14 @@ class EngineCore:
         logger.info(
             "running: %d, waiting: %d, KV usage: %.1f%%, prefix-cache hit rate: %.1f%%, "
             "prompt: %.1f tok/s, generation: %.1f tok/s, preemptions: %d",
-            s["num_running"], s["num_waiting"], 100 * s["kv_cache_usage"],
+            s["num_running"],
+            s["num_waiting"],
+            100 * s["kv_cache_usage"],
             100 * s["prefix_cache_hits"] / max(s["prefix_cache_queries"], 1),
-            self._tokens[0] / dt, self._tokens[1] / dt, s["num_preemptions"])
+            self._tokens[0] / dt,
+            self._tokens[1] / dt,
+            s["num_preemptions"],
+        )
         self._tokens, self._last_stats = [0, 0], now
 
 
@@ -211,8 +229,12 @@ def main() -> None:
     _die_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
-    logging.basicConfig(level=os.environ.get("KILN_LOG_LEVEL", "INFO"), stream=sys.stderr,
-                        format="%(levelname)s %(asctime)s [core] %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=os.environ.get("KILN_LOG_LEVEL", "INFO"),
+        stream=sys.stderr,
+        format="%(levelname)s %(asctime)s [core] %(message)s",
+        datefmt="%H:%M:%S",
+    )
     EngineCoreProc(sys.argv[1], sys.argv[2]).run()
 
 

@@ -21,21 +21,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from engine import messages as m
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
-from engine.messages import (
-    AbortRequests,
-    CoreFailed,
-    CoreOutput,
-    CoreReady,
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    Shutdown,
-    StartCore,
-    UtilityCall,
-    UtilityResult,
-)
 
 POLL_MS = 200  # how often a waiting client checks that the core process is alive
 
@@ -54,29 +42,31 @@ class CoreClient:
         self.output = self.ctx.socket(zmq.PULL)
         self.output.bind(out_addr)
         self.encoder = msgspec.msgpack.Encoder()
-        self.decoder = msgspec.msgpack.Decoder(CoreOutput)
+        self.decoder = msgspec.msgpack.Decoder(m.CoreOutput)
         self.dead: str | None = None
-        self.proc = subprocess.Popen([sys.executable, "-m", "engine.core", in_addr, out_addr], stdin=subprocess.DEVNULL)
-        self.ready: CoreReady | None = None
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.core", in_addr, out_addr], stdin=subprocess.DEVNULL
+        )
+        self.ready: m.CoreReady | None = None
         self._call_ids = itertools.count()
 
     def start(self, config: EngineConfig, model_dir: str, gguf_file: str | None = None) -> None:
-        self.send(StartCore(config, model_dir, gguf_file))
+        self.send(m.StartCore(config, model_dir, gguf_file))
 
     def send(self, msg) -> None:
         if self.dead:
             raise EngineDeadError(self.dead)
         self.input.send(self.encoder.encode(msg), copy=False)
 
-    def wait_ready(self, timeout: float = 1800.0) -> CoreReady:
+    def wait_ready(self, timeout: float = 1800.0) -> m.CoreReady:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.output.poll(POLL_MS):
                 msg = self.decoder.decode(self.output.recv())
-                if isinstance(msg, CoreReady):
+                if isinstance(msg, m.CoreReady):
                     self.ready = msg
                     return msg
-                if isinstance(msg, CoreFailed):
+                if isinstance(msg, m.CoreFailed):
                     self._mark_dead(msg.message)
             self.check_alive()
         self.shutdown()
@@ -92,15 +82,15 @@ class CoreClient:
         self.dead = message
         self.shutdown()
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def add_request(self, request: m.EngineCoreRequest) -> None:
         self.send(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and not self.dead:
-            self.send(AbortRequests(list(request_ids)))
+            self.send(m.AbortRequests(list(request_ids)))
 
-    def _utility_call(self, method: str, args: tuple) -> UtilityCall:
-        return UtilityCall(next(self._call_ids), method, list(args))
+    def _utility_call(self, method: str, args: tuple) -> m.UtilityCall:
+        return m.UtilityCall(next(self._call_ids), method, list(args))
 
     def shutdown(self) -> None:
         """Stop the core process and release the sockets; safe to call more than once."""
@@ -109,7 +99,7 @@ class CoreClient:
             self.proc.wait()
         if self.proc.poll() is None:
             try:
-                self.input.send(self.encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
+                self.input.send(self.encoder.encode(m.Shutdown()), flags=zmq.NOBLOCK)
                 self.proc.wait(timeout=5)
             except (zmq.ZMQError, subprocess.TimeoutExpired):
                 self.proc.kill()
@@ -126,10 +116,10 @@ class SyncCoreClient(CoreClient):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._pending: list[EngineCoreOutput] = []
-        self._results: dict[int, UtilityResult] = {}
+        self._pending: list[m.EngineCoreOutput] = []
+        self._results: dict[int, m.UtilityResult] = {}
 
-    def get_outputs(self, timeout: float | None = None) -> list[EngineCoreOutput]:
+    def get_outputs(self, timeout: float | None = None) -> list[m.EngineCoreOutput]:
         """Outputs that arrived, waiting up to `timeout` s for some (None: until some arrive)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._pending:
@@ -142,11 +132,11 @@ class SyncCoreClient(CoreClient):
         return out
 
     def _receive(self, msg) -> None:
-        if isinstance(msg, EngineCoreOutputs):
+        if isinstance(msg, m.EngineCoreOutputs):
             self._pending.extend(msg.outputs)
-        elif isinstance(msg, UtilityResult):
+        elif isinstance(msg, m.UtilityResult):
             self._results[msg.call_id] = msg
-        elif isinstance(msg, CoreFailed):
+        elif isinstance(msg, m.CoreFailed):
             self._mark_dead(msg.message)
 
     def call_utility(self, method: str, *args) -> Any:
@@ -176,13 +166,13 @@ class AsyncCoreClient(CoreClient):
             while True:
                 if await self.aoutput.poll(POLL_MS):
                     msg = self.decoder.decode(await self.aoutput.recv())
-                    if isinstance(msg, EngineCoreOutputs):
+                    if isinstance(msg, m.EngineCoreOutputs):
                         on_outputs(msg.outputs)
-                    elif isinstance(msg, UtilityResult):
+                    elif isinstance(msg, m.UtilityResult):
                         future = self._futures.pop(msg.call_id, None)
                         if future is not None and not future.done():
                             future.set_result(msg)
-                    elif isinstance(msg, CoreFailed):
+                    elif isinstance(msg, m.CoreFailed):
                         self._mark_dead(msg.message)
                 self.check_alive()
         except (EngineDeadError, zmq.ZMQError) as e:

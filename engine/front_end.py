@@ -9,14 +9,14 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.core_client import CoreClient
-from engine.input_processor import Conversation, InputProcessor, PreparedRequest, Prompt
+from engine.input_processor import InputProcessor, PreparedRequest, Prompt
 from engine.model_files import DEFAULT_MODEL_NAME, eos_token_ids, load_tokenizer, locate_model
 from engine.output_processor import OutputProcessor
 from engine.params import SamplingParams
 
 
 class FrontEnd:
-    """Starts the engine core, then tokenizes, validates, registers and detokenizes in the caller's process."""
+    """Starts the engine core; tokenizes, validates, registers and detokenizes in the caller's process."""
 
     client: CoreClient
 
@@ -38,11 +38,16 @@ class FrontEnd:
             raise
         self.config = ready.config
         self.max_model_len = ready.max_model_len
-        self.processor = InputProcessor(self.tokenizer, ready.max_model_len, eos_token_ids(self.model_dir, self.tokenizer))
+        self.processor = InputProcessor(
+            self.tokenizer, ready.max_model_len, eos_token_ids(self.model_dir, self.tokenizer)
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.chat_prompt = self.processor.chat_prompt  # conversation -> prompt token ids
         self._ids = itertools.count()
 
-    def process(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> PreparedRequest:
+    def process(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+    ) -> PreparedRequest:
         """Validate one prompt (InvalidRequestError names what is wrong); nothing is sent yet."""
         request_id = request_id or f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         return self.processor.process(request_id, prompt, params, time.time())
@@ -51,10 +56,6 @@ class FrontEnd:
         self.output_processor.add_request(request)
         for req in request.core_requests:
             self.client.add_request(req)
-
-    def chat_prompt(self, conversation: Conversation, add_generation_prompt: bool = True,
-                    chat_template_kwargs: dict | None = None) -> list[int]:
-        return self.processor.chat_prompt(conversation, add_generation_prompt, chat_template_kwargs)
 
     def shutdown(self) -> None:
         if getattr(self, "client", None) is not None:

@@ -45,13 +45,21 @@ class InputProcessor:
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         return list(prompt)
 
-    def chat_prompt(self, conversation: Conversation, add_generation_prompt: bool = True,
-                    chat_template_kwargs: dict | None = None) -> list[int]:
+    def chat_prompt(
+        self,
+        conversation: Conversation,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[int]:
         """Token ids of a conversation through the tokenizer's chat template."""
         if self.tokenizer.chat_template is None:
             raise InvalidRequestError("this model's tokenizer has no chat template", "messages")
-        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False, **(chat_template_kwargs or {}))
+        text = self.tokenizer.apply_chat_template(
+            conversation,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **(chat_template_kwargs or {}),
+        )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
@@ -63,26 +71,37 @@ class InputProcessor:
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         room = limit - n
         if room < 1:
-            raise InvalidRequestError(f"prompt has {n} tokens; the model's context is {limit} tokens, "
-                                      "leaving none to generate", "prompt")
+            raise InvalidRequestError(
+                f"prompt has {n} tokens; the model's context is {limit} tokens, leaving none to generate",
+                "prompt",
+            )
         for field in ("min_tokens", "max_tokens"):
             value = getattr(params, field)
             if value is not None and value > room:
-                raise InvalidRequestError(f"{field}={value} plus the prompt's {n} tokens exceeds the model's "
-                                          f"context of {limit} tokens", field)
+                raise InvalidRequestError(
+                    f"{field}={value} plus the prompt's {n} tokens exceeds the model's "
+                    f"context of {limit} tokens",
+                    field,
+                )
         return msgspec.structs.replace(params, max_tokens=room) if params.max_tokens is None else params
 
-    def process(self, request_id: str, prompt: Prompt, params: SamplingParams, arrival_time: float) -> PreparedRequest:
+    def process(
+        self, request_id: str, prompt: Prompt, params: SamplingParams, arrival_time: float
+    ) -> PreparedRequest:
         """Validate `prompt` and build its core requests; sample i of a seeded request uses seed + i."""
         prompt_ids = self.tokenize(prompt)
         params = self.validate(prompt_ids, params)
         child = params
         if self.extra_stop_ids:
-            child = msgspec.structs.replace(params, stop_token_ids=[*params.stop_token_ids, *self.extra_stop_ids])
+            child = msgspec.structs.replace(
+                params, stop_token_ids=[*params.stop_token_ids, *self.extra_stop_ids]
+            )
         reqs = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             sample = msgspec.structs.replace(child, n=1, seed=seed)
             reqs.append(EngineCoreRequest(rid, prompt_ids, sample, arrival_time, self.eos_token_id))
-        return PreparedRequest(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params, reqs)
+        return PreparedRequest(
+            request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params, reqs
+        )

@@ -26,16 +26,27 @@ class LLM(FrontEnd):
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         super().__init__(model, SyncCoreClient, engine_args)
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Generate for every prompt (strings or token-id lists); outputs come back in input order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
         return self._run(list(prompts), sampling_params, use_tqdm)
 
-    def chat(self, messages: Conversation | Sequence[Conversation],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.chat_prompt(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
@@ -45,7 +56,9 @@ class LLM(FrontEnd):
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
-            raise InvalidRequestError(f"got {len(params)} sampling params for {len(prompts)} prompts", "sampling_params")
+            raise InvalidRequestError(
+                f"got {len(params)} sampling params for {len(prompts)} prompts", "sampling_params"
+            )
         order: dict[str, int] = {}
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -63,8 +76,12 @@ class LLM(FrontEnd):
         from tqdm.auto import tqdm
 
         results: list[RequestOutput | None] = [None] * len(order)
-        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm or len(order) < 2,
-                   dynamic_ncols=True)
+        bar = tqdm(
+            total=len(order),
+            desc="Processed prompts",
+            disable=not use_tqdm or len(order) < 2,
+            dynamic_ncols=True,
+        )
         generated = done = 0
         with bar:
             while done < len(order):
@@ -76,7 +93,9 @@ class LLM(FrontEnd):
                         results[order[out.request_id]] = out
                         done += 1
                         bar.update(1)
-                        bar.set_postfix_str(f"output {generated / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s")
+                        bar.set_postfix_str(
+                            f"output {generated / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s"
+                        )
         return results  # type: ignore[return-value]
 
     def get_stats(self) -> dict:

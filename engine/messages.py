@@ -18,6 +18,7 @@ TokenLogprobs = tuple[float, list[tuple[int, float]]]
 
 # ---- front end -> engine core ----------------------------------------------------------------
 
+
 class EngineCoreRequest(msgspec.Struct, tag=True, array_like=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -55,6 +56,7 @@ CoreInput = EngineCoreRequest | AbortRequests | UtilityCall | Shutdown | StartCo
 
 
 # ---- engine core -> front end ----------------------------------------------------------------
+
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """New tokens of one request since the last output, and its finish reason once it ends."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.resources
+import json
 import os
 from pathlib import Path
 
@@ -31,30 +32,37 @@ def _sha256(path: str) -> str:
 
 
 def locate_model(model: str | None) -> tuple[str, str | None]:
-    """(HF directory of `model`, the GGUF file still to convert into it or None). None is the default model."""
+    """(HF directory of `model`, the GGUF file still to convert into it or None); None: the default model."""
     model = model or default_model_path()
     if os.path.isdir(model):
         if not os.path.exists(os.path.join(model, "config.json")):
             raise FileNotFoundError(f"{model} has no config.json: not a model directory")
         return model, None
     if not os.path.isfile(model):
-        raise FileNotFoundError(f"model {model!r} is neither a directory nor a file (weights are never downloaded)")
+        raise FileNotFoundError(
+            f"model {model!r} is neither a directory nor a file (weights are never downloaded)"
+        )
     if not model.endswith(".gguf"):
-        raise ValueError(f"model file {model!r} is not a .gguf file; pass a directory for safetensors weights")
+        raise ValueError(
+            f"model file {model!r} is not a .gguf file; pass a directory for safetensors weights"
+        )
     target = cache_root() / "gguf" / _sha256(model)
     return str(target), None if (target / "model.safetensors").exists() else model
 
 
 def load_tokenizer(model_dir: str):
-    from transformers import AutoTokenizer
+    """The tokenizer through the class its tokenizer_config.json names: AutoTokenizer would load the model's
+    config as well, and transformers' config code imports torch, which the front end never needs."""
+    import transformers
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    path = Path(model_dir) / "tokenizer_config.json"
+    name = json.loads(path.read_text()).get("tokenizer_class") if path.exists() else None
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    return (cls or transformers.AutoTokenizer).from_pretrained(model_dir)
 
 
 def eos_token_ids(model_dir: str, tokenizer) -> list[int]:
     """The tokenizer's EOS first, then any others the generation config lists (Llama 3 has several)."""
-    import json
-
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     path = Path(model_dir) / "generation_config.json"
     extra = json.loads(path.read_text()).get("eos_token_id") if path.exists() else None

@@ -17,16 +17,17 @@ from engine.params import SamplingParams
 class _Sample:
     """One of a request's n samples, i.e. one core request."""
 
-    __slots__ = ("detok", "end_ids", "out")
+    __slots__ = ("detok", "out")
 
-    def __init__(self, index: int, tokenizer, prompt_ids: list[int], params: SamplingParams, eos: int | None) -> None:
+    def __init__(self, index: int, tokenizer, prompt_ids: list[int], params: SamplingParams) -> None:
         self.out = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params)
-        self.end_ids = set(params.stop_token_ids) | ({eos} if eos is not None and not params.ignore_eos else set())
 
 
 class _RequestState:
-    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], arrival_time: float) -> None:
+    def __init__(
+        self, request_id: str, prompt: str | None, prompt_ids: list[int], arrival_time: float
+    ) -> None:
         self.request_id, self.prompt, self.prompt_ids = request_id, prompt, prompt_ids
         self.samples: dict[str, _Sample] = {}  # core request id -> sample
         self.metrics = RequestMetrics(arrival_time)
@@ -37,11 +38,29 @@ class _RequestState:
         outs = []
         for sample in self.samples.values():
             o = sample.out
-            outs.append(CompletionOutput(o.index, o.text, list(o.token_ids), None if o.logprobs is None else list(o.logprobs),
-                                         o.finish_reason, o.stop_reason, o.delta_text, o.delta_token_ids, o.delta_logprobs))
+            outs.append(
+                CompletionOutput(
+                    o.index,
+                    o.text,
+                    list(o.token_ids),
+                    None if o.logprobs is None else list(o.logprobs),
+                    o.finish_reason,
+                    o.stop_reason,
+                    o.delta_text,
+                    o.delta_token_ids,
+                    o.delta_logprobs,
+                )
+            )
             o.delta_text, o.delta_token_ids, o.delta_logprobs = "", [], []
-        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, outs, all(o.finished for o in outs),
-                             self.metrics, self.num_cached_tokens)
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_ids,
+            outs,
+            all(o.finished for o in outs),
+            self.metrics,
+            self.num_cached_tokens,
+        )
 
 
 class OutputProcessor:
@@ -59,8 +78,8 @@ class OutputProcessor:
         first = request.core_requests[0]
         state = _RequestState(request_id, request.prompt, request.prompt_token_ids, first.arrival_time)
         for i, req in enumerate(request.core_requests):
-            state.samples[req.request_id] = _Sample(i, self.tokenizer, req.prompt_token_ids, req.sampling_params,
-                                                     req.eos_token_id)
+            sample = _Sample(i, self.tokenizer, req.prompt_token_ids, req.sampling_params)
+            state.samples[req.request_id] = sample
             self.core_to_request[req.request_id] = request_id
         self.requests[request_id] = state
 
@@ -88,7 +107,8 @@ class OutputProcessor:
             if out.logprobs is not None and o.new_logprobs:
                 out.logprobs += o.new_logprobs
                 out.delta_logprobs += o.new_logprobs
-            ended_by_token = o.finish_reason == "stop" and bool(o.new_token_ids) and o.new_token_ids[-1] in sample.end_ids
+            # The core stops a sequence only on a token (EOS or a stop id), its last: kept out of the text.
+            ended_by_token = o.finish_reason == "stop" and bool(o.new_token_ids)
             if sample.detok.update(o.new_token_ids, skip_last=ended_by_token):
                 out.finish_reason, out.stop_reason = "stop", sample.detok.stop_reason
                 if not o.finished:
@@ -96,7 +116,7 @@ class OutputProcessor:
             elif o.finished:
                 out.finish_reason, out.stop_reason = o.finish_reason, o.stop_reason
             visible = sample.detok.text[: sample.detok.emittable(out.finished)]
-            out.delta_text += visible[len(out.text):]
+            out.delta_text += visible[len(out.text) :]
             out.text = visible
             if out.finished:
                 del self.core_to_request[o.request_id]

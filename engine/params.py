@@ -61,7 +61,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             (self.min_tokens < _INT32, "min_tokens", f"must be below {_INT32}"),
             (self.max_tokens is None or self.max_tokens < _INT32, "max_tokens", f"must be below {_INT32}"),
             (all(s for s in self.stop), "stop", "must not contain empty strings"),
-            (all(0 <= t < _INT32 for t in self.stop_token_ids), "stop_token_ids", f"must be in [0, {_INT32})"),
+            (
+                all(0 <= t < _INT32 for t in self.stop_token_ids),
+                "stop_token_ids",
+                f"must be in [0, {_INT32})",
+            ),
         ]
         for ok, field, message in checks:
             if not ok:

@@ -170,7 +170,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         cfg, kv = self.config, self.kv_cache_manager
         budget = cfg.max_num_batched_tokens
-        if cfg.max_num_batched_tokens_decoding and any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
+        if cfg.max_num_batched_tokens_decoding and any(
+            r.num_computed_tokens >= r.num_prompt_tokens for r in self.running
+        ):
             budget = min(budget, max(cfg.max_num_batched_tokens_decoding, len(self.running)))
         full_budget = budget
         threshold = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0
@@ -263,7 +265,6 @@ class Scheduler:
         that got tokens or finished. (``num_computed_tokens`` already advanced in schedule().)"""
         outputs: list[EngineCoreOutput] = []
         finished: list[Request] = []
-        was_waiting = False
         requests = self.requests
         all_logprobs = runner_output.logprobs
         for i, (rid, token_ids) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
@@ -283,9 +284,7 @@ class Scheduler:
             logprobs = all_logprobs[i] if all_logprobs is not None else None
             if logprobs is not None:
                 logprobs = logprobs[: len(token_ids)]
-            if status is not None:
-                # Not running: preempted after it was scheduled (overlapped scheduling).
-                was_waiting |= req.status != RequestStatus.RUNNING
+            if status is not None:  # a scheduled request is running: it was preempted before it, if at all
                 req.status = status
                 finished.append(req)
             outputs.append(
@@ -298,7 +297,7 @@ class Scheduler:
                     num_cached_tokens=self._cached(req, first),
                 )
             )
-        self._release(finished, was_waiting)
+        self._release(finished, was_waiting=False)
         return outputs
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:

@@ -1,1 +1,1 @@
-"""kiln's "talk" box: the OpenAI-compatible HTTP server and the `kiln` command line."""
+"""kiln's "talk" box: the OpenAI-compatible HTTP server, the `kiln` command line and the benchmarks."""

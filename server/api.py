@@ -72,8 +72,14 @@ class Routes:
         return json_response(VersionResponse(version=v))
 
     async def models(self, request: Request) -> Response:
-        card = ModelCard(id=self.s.model_name, object="model", created=self.s.created, owned_by="kiln",
-                         root=getattr(self.s.llm, "model_dir", None), max_model_len=self.s.llm.max_model_len)
+        card = ModelCard(
+            id=self.s.model_name,
+            object="model",
+            created=self.s.created,
+            owned_by="kiln",
+            root=getattr(self.s.llm, "model_dir", None),
+            max_model_len=self.s.llm.max_model_len,
+        )
         return json_response(ModelList(object="list", data=[card]))
 
     async def metrics_route(self, request: Request) -> Response:
@@ -93,13 +99,19 @@ class Routes:
             ids = self.s.chat_ids(b.messages, b.add_generation_prompt is not False, None)
         elif b.prompt is not None:
             try:
-                ids = self.s.llm.tokenizer.encode(b.prompt, add_special_tokens=b.add_special_tokens is not False)
+                ids = self.s.llm.tokenizer.encode(
+                    b.prompt, add_special_tokens=b.add_special_tokens is not False
+                )
             except Exception as e:
                 raise APIError(400, f"could not tokenize the prompt: {e}", "prompt") from None
         else:
             raise APIError(400, "either prompt or messages is required", "prompt")
         strs = [self.s.tokens.text(t) for t in ids] if b.return_token_strs else None
-        return json_response(TokenizeResponse(count=len(ids), max_model_len=self.s.llm.max_model_len, tokens=ids, token_strs=strs))
+        return json_response(
+            TokenizeResponse(
+                count=len(ids), max_model_len=self.s.llm.max_model_len, tokens=ids, token_strs=strs
+            )
+        )
 
     async def detokenize(self, request: Request) -> Response:
         b: DetokenizeRequest = await self.s.read(request, DetokenizeRequest)
@@ -107,7 +119,9 @@ class Routes:
         vocab = self.s.llm.processor.vocab_size
         for i, t in enumerate(b.tokens):
             if not 0 <= t < vocab:
-                raise APIError(400, f"tokens[{i}]={t} is not a token id (the vocabulary has {vocab})", "tokens")
+                raise APIError(
+                    400, f"tokens[{i}]={t} is not a token id (the vocabulary has {vocab})", "tokens"
+                )
         return json_response(DetokenizeResponse(prompt=self.s.llm.tokenizer.decode(b.tokens)))
 
 
@@ -135,11 +149,18 @@ class _APIKeyMiddleware:
 
     async def __call__(self, scope, receive, send) -> None:
         path = scope.get("path", "")
-        if scope["type"] == "http" and scope.get("method") != "OPTIONS" and (path == "/v1" or path.startswith("/v1/")):
+        if (
+            scope["type"] == "http"
+            and scope.get("method") != "OPTIONS"
+            and (path == "/v1" or path.startswith("/v1/"))
+        ):
             given = Headers(scope=scope).get("authorization", "").encode()
             if not secrets.compare_digest(given, self.expected):
-                error = APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                 code="invalid_api_key")
+                error = APIError(
+                    401,
+                    "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                )
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -179,6 +200,7 @@ def build_app(llm, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX
 
 # ---- kiln serve ----------------------------------------------------------------------------------
 
+
 def _bind(host: str, port: int) -> socket.socket:
     """Bind now (a taken port fails before the model loads); uvicorn listens only once the engine is ready."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -193,9 +215,16 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(model: str | None, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          engine_args: dict[str, Any] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-          log_level: str = "info") -> int:
+def serve(
+    model: str | None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    engine_args: dict[str, Any] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    log_level: str = "info",
+) -> int:
     import uvicorn
 
     from engine.async_llm import AsyncLLM

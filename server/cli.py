@@ -31,7 +31,9 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         value = getattr(args, name)
         if value != default:
             flag = "--" + name.replace("_", "-")
-            flags += [flag] if value is True else ["--no-" + flag[2:]] if value is False else [flag, str(value)]
+            flags += (
+                [flag] if value is True else ["--no-" + flag[2:]] if value is False else [flag, str(value)]
+            )
     return flags
 
 
@@ -61,9 +63,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from server.api import serve
 
-    return serve(args.model_path or args.model, host=args.host, port=args.port, api_key=args.api_key,
-                 engine_args={**engine_args(args), "served_model_name": args.served_model_name},
-                 max_body_bytes=args.max_request_body_bytes, log_level=args.uvicorn_log_level)
+    return serve(
+        args.model_path or args.model,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        engine_args={**engine_args(args), "served_model_name": args.served_model_name},
+        max_body_bytes=args.max_request_body_bytes,
+        log_level=args.uvicorn_log_level,
+    )
 
 
 def add_serve_parser(sub) -> None:
@@ -72,14 +80,26 @@ def add_serve_parser(sub) -> None:
     from server.api import DEFAULT_MAX_BODY_BYTES
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    serve.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
-                       help="HF directory or .gguf file (default: the embedded SmolLM2)")
+    serve.add_argument(
+        "model_path",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="HF directory or .gguf file (default: the embedded SmolLM2)",
+    )
     serve.add_argument("--model", default=None, help="same as MODEL")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL's)")
-    serve.add_argument("--api-key", default=os.environ.get("KILN_API_KEY") or None,
-                       help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KILN_API_KEY)")
+    serve.add_argument(
+        "--served-model-name", default=None, help="the model name clients send (default: MODEL's)"
+    )
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("KILN_API_KEY") or None,
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KILN_API_KEY)",
+    )
     serve.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     serve.add_argument("--uvicorn-log-level", default="info")
     add_engine_args(serve)
@@ -92,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
 
     gen = sub.add_parser("generate", help="stream one completion to the terminal")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2)")
+    gen.add_argument(
+        "--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2)"
+    )
     gen.add_argument("--max-tokens", type=int, default=256)
     gen.add_argument("--temperature", type=float, default=0.7)
     gen.add_argument("--seed", type=int, default=None)
@@ -110,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s", datefmt="%H:%M:%S"
+    )
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -32,8 +32,14 @@ def encode(body: msgspec.Struct) -> bytes:
 class APIError(Exception):
     """An error the client gets in OpenAI's shape."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None,
-                 code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")

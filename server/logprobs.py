@@ -1,4 +1,4 @@
-"""Tokens as OpenAI's logprobs show them: each token's exact bytes and text, and the two endpoints' formats."""
+"""Tokens as OpenAI's logprobs show them: each token's exact bytes and text, in the two endpoints' formats."""
 
 from __future__ import annotations
 
@@ -13,7 +13,11 @@ MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte <-> printable-character table that byte-level BPE vocabularies are written in."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -57,8 +61,9 @@ class TokenStrings:
         except UnicodeDecodeError:  # part of a multi-byte character
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
-    def completion_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs],
-                            offset: int) -> tuple[CompletionLogprobs, int]:
+    def completion_logprobs(
+        self, token_ids: list[int], logprobs: list[TokenLogprobs], offset: int
+    ) -> tuple[CompletionLogprobs, int]:
         """/v1/completions' logprobs for these tokens, their text offsets counted from `offset`; and the
         offset after them."""
         tokens, token_lps, tops, offsets = [], [], [], []
@@ -71,15 +76,24 @@ class TokenStrings:
             tops.append(entry)
             offsets.append(offset)
             offset += len(self.bytes(tid).decode("utf-8", errors="ignore"))
-        return CompletionLogprobs(tokens=tokens, token_logprobs=token_lps, top_logprobs=tops, text_offset=offsets), offset
+        return CompletionLogprobs(
+            tokens=tokens, token_logprobs=token_lps, top_logprobs=tops, text_offset=offsets
+        ), offset
 
     def chat_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs]) -> ChatLogprobs:
         content = []
         for tid, (lp, top) in zip(token_ids, logprobs):
-            content.append(ChatLogprobToken(
-                token=self.text(tid), logprob=_clamp(lp), bytes=list(self.bytes(tid)),
-                top_logprobs=[TopLogprob(token=self.text(t), logprob=_clamp(v), bytes=list(self.bytes(t)))
-                              for t, v in top]))
+            content.append(
+                ChatLogprobToken(
+                    token=self.text(tid),
+                    logprob=_clamp(lp),
+                    bytes=list(self.bytes(tid)),
+                    top_logprobs=[
+                        TopLogprob(token=self.text(t), logprob=_clamp(v), bytes=list(self.bytes(t)))
+                        for t, v in top
+                    ],
+                )
+            )
         return ChatLogprobs(content=content)
 
 

@@ -11,13 +11,55 @@ logger = logging.getLogger("kiln.server")
 
 # ---- metrics -------------------------------------------------------------------------------------
 
+
 class ServerMetrics:
     """Prometheus metrics under `kiln:`, in a registry of their own (several apps may share a process)."""
 
-    TIME_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
-    ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-                   0.75, 1.0, 2.5, 5.0, 10.0)
+    TIME_BUCKETS = (
+        0.001,
+        0.005,
+        0.01,
+        0.02,
+        0.04,
+        0.06,
+        0.08,
+        0.1,
+        0.25,
+        0.5,
+        0.75,
+        1.0,
+        2.5,
+        5.0,
+        7.5,
+        10.0,
+        20.0,
+        40.0,
+        80.0,
+        160.0,
+        640.0,
+    )
+    ITL_BUCKETS = (
+        0.005,
+        0.01,
+        0.015,
+        0.02,
+        0.025,
+        0.03,
+        0.04,
+        0.05,
+        0.075,
+        0.1,
+        0.15,
+        0.2,
+        0.3,
+        0.4,
+        0.5,
+        0.75,
+        1.0,
+        2.5,
+        5.0,
+        10.0,
+    )
 
     def __init__(self, model_name: str) -> None:
         from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
@@ -26,24 +68,55 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r, label = self.registry, ["model_name"]
         self.model_name = model_name
-        self.request_success = Counter("kiln:request_success", "Finished sequences, by finish reason",
-                                       [*label, "finished_reason"], registry=r)
+        self.request_success = Counter(
+            "kiln:request_success",
+            "Finished sequences, by finish reason",
+            [*label, "finished_reason"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("kiln:prompt_tokens", "Prompt tokens processed", label, registry=r)
         self.generation_tokens = Counter("kiln:generation_tokens", "Tokens generated", label, registry=r)
-        self.ttft = Histogram("kiln:time_to_first_token_seconds", "Time to first token", label,
-                              buckets=self.TIME_BUCKETS, registry=r)
-        self.itl = Histogram("kiln:inter_token_latency_seconds", "Time between output tokens", label,
-                             buckets=self.ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("kiln:e2e_request_latency_seconds", "Request latency, arrival to last token", label,
-                             buckets=self.TIME_BUCKETS, registry=r)
-        self.queue_time = Histogram("kiln:request_queue_time_seconds", "Time from arrival to first scheduled",
-                                    label, buckets=self.TIME_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "kiln:time_to_first_token_seconds",
+            "Time to first token",
+            label,
+            buckets=self.TIME_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "kiln:inter_token_latency_seconds",
+            "Time between output tokens",
+            label,
+            buckets=self.ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "kiln:e2e_request_latency_seconds",
+            "Request latency, arrival to last token",
+            label,
+            buckets=self.TIME_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "kiln:request_queue_time_seconds",
+            "Time from arrival to first scheduled",
+            label,
+            buckets=self.TIME_BUCKETS,
+            registry=r,
+        )
         self.engine = EngineStatsCollector(model_name)
         r.register(self.engine)
         # Export every series from the start, at zero, rather than once it first moves.
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)
-        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time):
+        for metric in (
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.queue_time,
+        ):
             metric.labels(model_name)
 
     def render(self) -> bytes:
@@ -55,12 +128,16 @@ class ServerMetrics:
 class EngineStatsCollector:
     """The engine core's scheduler stats, as of the last scrape (refreshed by /metrics)."""
 
-    GAUGES = (("kiln:num_requests_running", "num_running", "Requests in the running queue"),
-              ("kiln:num_requests_waiting", "num_waiting", "Requests in the waiting queue"),
-              ("kiln:kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV-cache blocks in use (0 to 1)"))
-    COUNTERS = (("kiln:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
-                ("kiln:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache"),
-                ("kiln:num_preemptions", "num_preemptions", "Requests preempted (KV cache full)"))
+    GAUGES = (
+        ("kiln:num_requests_running", "num_running", "Requests in the running queue"),
+        ("kiln:num_requests_waiting", "num_waiting", "Requests in the waiting queue"),
+        ("kiln:kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV-cache blocks in use (0 to 1)"),
+    )
+    COUNTERS = (
+        ("kiln:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+        ("kiln:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+        ("kiln:num_preemptions", "num_preemptions", "Requests preempted (KV cache full)"),
+    )
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
@@ -126,5 +203,12 @@ class RequestTracker:
         if "abort" not in reasons:
             self.m.e2e.labels(name).observe(total)
         ttft = "-" if self.first_token is None else f"{self.first_token - self.start:.3f}s"
-        logger.info("%s prompt_tokens=%d generation_tokens=%d ttft=%s total=%.3fs finish_reason=%s",
-                    self.request_id, self.num_prompt_tokens, self.num_generated, ttft, total, ",".join(reasons))
+        logger.info(
+            "%s prompt_tokens=%d generation_tokens=%d ttft=%s total=%.3fs finish_reason=%s",
+            self.request_id,
+            self.num_prompt_tokens,
+            self.num_generated,
+            ttft,
+            total,
+            ",".join(reasons),
+        )

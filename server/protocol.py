@@ -9,9 +9,10 @@ import msgspec
 
 # ---- request bodies ------------------------------------------------------------------------------
 
+
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False  # accepted, not implemented
+    continuous_usage_stats: bool | None = False  # usage in every chunk, with include_usage
 
 
 class _SamplingRequest(msgspec.Struct, kw_only=True):
@@ -86,6 +87,7 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 
 # ---- response bodies -----------------------------------------------------------------------------
+
 
 class ErrorInfo(msgspec.Struct, kw_only=True):
     message: str

@@ -26,7 +26,7 @@ from engine.params import SamplingParams
 from server.errors import APIError, as_api_error, bad_param, encode, short, validation_error
 from server.logprobs import TokenStrings
 from server.metrics import RequestTracker, ServerMetrics
-from server.protocol import ChatMessage, UsageInfo, _SamplingRequest
+from server.protocol import ChatMessage, StreamOptions, UsageInfo, _SamplingRequest
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 MAX_N = 128  # samples per prompt
@@ -73,10 +73,10 @@ async def merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple
                 tasks[asyncio.ensure_future(anext(gens[i]))] = i
                 yield i, item
     finally:
-        # This may run inside a cancelled scope: nothing here may wait (the generators' cleanup is synchronous).
+        # This may run inside a cancelled scope: nothing here may wait (generators clean up at once)
         for task, i in tasks.items():
             if not task.done():
-                task.cancel()  # lands in the generator's pending step: its `finally` aborts the engine request
+                task.cancel()  # lands in the generator's pending step, whose `finally` aborts the request
                 continue
             if not task.cancelled():
                 task.exception()  # retrieved: no "exception never retrieved" warning
@@ -148,16 +148,26 @@ class Serving:
             raise APIError(400, "request body is not valid JSON: nested too deeply") from None
 
     def _too_large(self) -> APIError:
-        return APIError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes",
-                        code="request_too_large")
+        return APIError(
+            413, f"request body exceeds the limit of {self.max_body_bytes} bytes", code="request_too_large"
+        )
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise APIError(404, f"the model {short(model)} does not exist; this server serves "
-                                f"{self.model_name!r}", "model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model {short(model)} does not exist; this server serves {self.model_name!r}",
+                "model",
+                code="model_not_found",
+            )
 
-    def sampling_params(self, b: _SamplingRequest, max_tokens: int | None, logprobs: int | None,
-                         max_tokens_param: str = "max_tokens") -> SamplingParams:
+    def sampling_params(
+        self,
+        b: _SamplingRequest,
+        max_tokens: int | None,
+        logprobs: int | None,
+        max_tokens_param: str = "max_tokens",
+    ) -> SamplingParams:
         n = 1 if b.n is None else b.n
         mt = max_tokens_param
         stop = [b.stop] if isinstance(b.stop, str) else list(b.stop or [])
@@ -165,30 +175,58 @@ class Serving:
         checks = [
             (1 <= n <= MAX_N, "n", f"n must be between 1 and {MAX_N} (got {n})"),
             (max_tokens is None or max_tokens >= 1, mt, f"{mt} must be at least 1 (got {max_tokens})"),
-            (max_tokens is None or max_tokens <= self.llm.max_model_len, mt,
-             f"{mt}={max_tokens} exceeds the model's context of {self.llm.max_model_len} tokens"),
-            (logprobs is None or 0 <= logprobs <= MAX_LOGPROBS, "logprobs",
-             f"logprobs must be between 0 and {MAX_LOGPROBS} (got {logprobs})"),
-            (b.top_k is None or -1 <= b.top_k <= _INT32_MAX, "top_k", f"top_k must be -1, 0 or positive (got {b.top_k})"),
-            (b.min_tokens is None or 0 <= b.min_tokens <= _INT32_MAX, "min_tokens",
-             f"min_tokens must be non-negative (got {b.min_tokens})"),
-            (b.seed is None or _INT64_MIN <= b.seed <= _INT64_MAX - MAX_N, "seed",
-             "seed must be a signed 64-bit integer"),
+            (
+                max_tokens is None or max_tokens <= self.llm.max_model_len,
+                mt,
+                f"{mt}={max_tokens} exceeds the model's context of {self.llm.max_model_len} tokens",
+            ),
+            (
+                logprobs is None or 0 <= logprobs <= MAX_LOGPROBS,
+                "logprobs",
+                f"logprobs must be between 0 and {MAX_LOGPROBS} (got {logprobs})",
+            ),
+            (
+                b.top_k is None or -1 <= b.top_k <= _INT32_MAX,
+                "top_k",
+                f"top_k must be -1, 0 or positive (got {b.top_k})",
+            ),
+            (
+                b.min_tokens is None or 0 <= b.min_tokens <= _INT32_MAX,
+                "min_tokens",
+                f"min_tokens must be non-negative (got {b.min_tokens})",
+            ),
+            (
+                b.seed is None or _INT64_MIN <= b.seed <= _INT64_MAX - MAX_N,
+                "seed",
+                "seed must be a signed 64-bit integer",
+            ),
             (len(stop) <= MAX_STOP, "stop", f"at most {MAX_STOP} stop strings are allowed"),
             (len(stop_ids) <= MAX_STOP, "stop_token_ids", f"at most {MAX_STOP} stop token ids are allowed"),
-            (all(0 <= t <= _INT32_MAX for t in stop_ids), "stop_token_ids", "stop_token_ids must be token ids"),
+            (
+                all(0 <= t <= _INT32_MAX for t in stop_ids),
+                "stop_token_ids",
+                "stop_token_ids must be token ids",
+            ),
         ]
         for ok, param, message in checks:
             if not ok:
                 raise APIError(400, message, param)
         kwargs: dict[str, Any] = dict(
-            n=n, max_tokens=max_tokens, logprobs=logprobs, stop=stop, stop_token_ids=stop_ids, seed=b.seed,
+            n=n,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            stop=stop,
+            stop_token_ids=stop_ids,
+            seed=b.seed,
             temperature=1.0 if b.temperature is None else b.temperature,
             top_p=1.0 if b.top_p is None else b.top_p,
-            top_k=b.top_k or 0, min_p=b.min_p or 0.0,
-            presence_penalty=b.presence_penalty or 0.0, frequency_penalty=b.frequency_penalty or 0.0,
+            top_k=b.top_k or 0,
+            min_p=b.min_p or 0.0,
+            presence_penalty=b.presence_penalty or 0.0,
+            frequency_penalty=b.frequency_penalty or 0.0,
             repetition_penalty=1.0 if b.repetition_penalty is None else b.repetition_penalty,
-            min_tokens=b.min_tokens or 0, ignore_eos=bool(b.ignore_eos),
+            min_tokens=b.min_tokens or 0,
+            ignore_eos=bool(b.ignore_eos),
             include_stop_str_in_output=bool(b.include_stop_str_in_output),
             skip_special_tokens=True if b.skip_special_tokens is None else b.skip_special_tokens,
         )
@@ -214,22 +252,31 @@ class Serving:
         except ValueError as e:  # SamplingParams' own checks, with max_tokens resolved
             raise bad_param(e) from None
 
-    def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool, kwargs: dict | None) -> list[int]:
+    def chat_ids(
+        self, messages: list[ChatMessage], add_generation_prompt: bool, kwargs: dict | None
+    ) -> list[int]:
         if not messages:
             raise APIError(400, "messages must not be empty", "messages")
         conversation = []
         for i, msg in enumerate(messages):
             role = "system" if msg.role == "developer" else msg.role
             if role not in ("system", "user", "assistant"):
-                raise APIError(400, f"messages[{i}].role must be system, user or assistant (got {short(msg.role)})",
-                               f"messages[{i}].role")
+                raise APIError(
+                    400,
+                    f"messages[{i}].role must be system, user or assistant (got {short(msg.role)})",
+                    f"messages[{i}].role",
+                )
             content = msg.content
             if isinstance(content, list):
                 texts = []
                 for j, part in enumerate(content):
                     if part.type != "text" or part.text is None:
-                        raise APIError(400, f"messages[{i}].content[{j}]: only text parts are supported "
-                                            f"(got type {short(part.type)})", f"messages[{i}].content")
+                        raise APIError(
+                            400,
+                            f"messages[{i}].content[{j}]: only text parts are supported "
+                            f"(got type {short(part.type)})",
+                            f"messages[{i}].content",
+                        )
                     texts.append(part.text)
                 content = "\n".join(texts)
             if content is None:
@@ -243,11 +290,14 @@ class Serving:
             raise APIError(400, str(e), e.param or "messages") from None
         except Exception as e:  # a template error, or chat_template_kwargs the template cannot take
             param = "chat_template_kwargs" if kwargs else "messages"
-            raise APIError(400, f"could not apply the chat template to these {param}: {type(e).__name__}: {e}",
-                           param) from None
+            raise APIError(
+                400, f"could not apply the chat template to these {param}: {type(e).__name__}: {e}", param
+            ) from None
 
     async def generate(self, request: PreparedRequest) -> AsyncIterator[RequestOutput]:
-        tracker = RequestTracker(self.metrics, request.request_id, len(request.prompt_token_ids), request.params.n)
+        tracker = RequestTracker(
+            self.metrics, request.request_id, len(request.prompt_token_ids), request.params.n
+        )
         try:
             async with contextlib.aclosing(self.llm.generate(request)) as gen:
                 async for out in gen:
@@ -280,11 +330,15 @@ class Serving:
         return finals  # type: ignore[return-value]
 
     @staticmethod
-    def usage(prompts: list[PromptIds], finals: list[RequestOutput] | None = None, generated: int = 0) -> UsageInfo:
+    def usage(
+        prompts: list[PromptIds], finals: list[RequestOutput] | None = None, generated: int = 0
+    ) -> UsageInfo:
         prompt_tokens = sum(len(p.ids) for p in prompts)
         if finals is not None:
             generated = sum(len(c.token_ids) for f in finals for c in f.outputs)
-        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=generated, total_tokens=prompt_tokens + generated)
+        return UsageInfo(
+            prompt_tokens=prompt_tokens, completion_tokens=generated, total_tokens=prompt_tokens + generated
+        )
 
     def sse(self, chunks: AsyncIterator[msgspec.Struct]) -> Response:
         async def body() -> AsyncIterator[bytes]:
@@ -296,9 +350,17 @@ class Serving:
                 yield b"data: " + as_api_error(e, "while streaming a response").response().body + b"\n\n"
             yield b"data: [DONE]\n\n"
 
-        return _SSEResponse(body(), media_type="text/event-stream",
-                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _SSEResponse(
+            body(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
+
+def usage_options(options: StreamOptions | None) -> tuple[bool, bool]:
+    """(usage in a last chunk of its own, usage in every chunk too), as vLLM reads `stream_options`."""
+    include = bool(options and options.include_usage)
+    return include, include and bool(options.continuous_usage_stats)
 
 
 def has_news(c: CompletionOutput, text: str, logprobs: object, token_ids: bool) -> bool:
@@ -311,8 +373,12 @@ class ChoiceStream:
     new. `make_choice(prompt index, choice index, output)` builds one, or None when it has nothing to send;
     a finished choice is sent once. `generated` counts every token, sent or not."""
 
-    def __init__(self, gens: list[AsyncIterator[RequestOutput]], n: int,
-                 make_choice: Callable[[int, int, CompletionOutput], Any | None]) -> None:
+    def __init__(
+        self,
+        gens: list[AsyncIterator[RequestOutput]],
+        n: int,
+        make_choice: Callable[[int, int, CompletionOutput], Any | None],
+    ) -> None:
         self.gens, self.n, self.make_choice = gens, n, make_choice
         self.generated = 0
 

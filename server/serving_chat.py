@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,9 +21,8 @@ from server.protocol import (
     ChatCompletionResponse,
     ChatResponseMessage,
     DeltaMessage,
-    UsageInfo,
 )
-from server.serving import MAX_LOGPROBS, ChoiceStream, PromptIds, Serving, has_news
+from server.serving import MAX_LOGPROBS, ChoiceStream, PromptIds, Serving, has_news, usage_options
 
 
 class ChatServing:
@@ -36,8 +36,11 @@ class ChatServing:
         if b.top_logprobs is not None and not b.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         if b.top_logprobs is not None and not 0 <= b.top_logprobs <= MAX_LOGPROBS:
-            raise APIError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS} (got {b.top_logprobs})",
-                           "top_logprobs")
+            raise APIError(
+                400,
+                f"top_logprobs must be between 0 and {MAX_LOGPROBS} (got {b.top_logprobs})",
+                "top_logprobs",
+            )
         logprobs = (b.top_logprobs or 0) if b.logprobs else None
         mt = "max_completion_tokens" if b.max_completion_tokens is not None else "max_tokens"
         params = s.sampling_params(b, getattr(b, mt), logprobs, mt)
@@ -50,28 +53,52 @@ class ChatServing:
         gen = s.generate(s.prepare(rid, prompt.ids, params))
         created = int(time.time())
         if b.stream:
-            include_usage = bool(b.stream_options and b.stream_options.include_usage)
-            return s.sse(self.chunks(rid, created, prompt, params, gen, include_usage, bool(b.return_token_ids)))
+            include_usage, continuous = usage_options(b.stream_options)
+            return s.sse(
+                self.chunks(
+                    rid, created, prompt, params, gen, include_usage, continuous, bool(b.return_token_ids)
+                )
+            )
         (final,) = await s.until_disconnected(request, s.collect([gen]))
         choices = []
         for c in final.outputs:
             lps = None if logprobs is None else s.tokens.chat_logprobs(c.token_ids, c.logprobs or [])
-            choice = ChatChoice(index=c.index, message=ChatResponseMessage(role="assistant", content=c.text),
-                                logprobs=lps, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            choice = ChatChoice(
+                index=c.index,
+                message=ChatResponseMessage(role="assistant", content=c.text),
+                logprobs=lps,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
             if b.return_token_ids:
                 choice.prompt_token_ids, choice.token_ids = prompt.ids, c.token_ids
             choices.append(choice)
-        return json_response(ChatCompletionResponse(id=rid, object="chat.completion", created=created,
-                                                    model=s.model_name, choices=choices,
-                                                    usage=s.usage([prompt], [final])))
+        body = ChatCompletionResponse(
+            id=rid,
+            object="chat.completion",
+            created=created,
+            model=s.model_name,
+            choices=choices,
+            usage=s.usage([prompt], [final]),
+        )
+        return json_response(body)
 
-    async def chunks(self, rid: str, created: int, prompt: PromptIds, params: SamplingParams, gen,
-                     include_usage: bool, token_ids: bool) -> AsyncIterator[ChatCompletionChunk]:
+    async def chunks(
+        self,
+        rid: str,
+        created: int,
+        prompt: PromptIds,
+        params: SamplingParams,
+        gen,
+        include_usage: bool,
+        continuous_usage: bool,
+        token_ids: bool,
+    ) -> AsyncIterator[ChatCompletionChunk]:
         s = self.s
 
-        def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=rid, object="chat.completion.chunk", created=created, model=s.model_name,
-                                       choices=choices, usage=usage)
+        chunk = functools.partial(
+            ChatCompletionChunk, id=rid, object="chat.completion.chunk", created=created, model=s.model_name
+        )
 
         def choice(i: int, index: int, c: CompletionOutput) -> ChatChunkChoice | None:
             logprobs = None
@@ -79,20 +106,29 @@ class ChatServing:
                 logprobs = s.tokens.chat_logprobs(c.delta_token_ids, c.delta_logprobs)
             if not has_news(c, c.delta_text, logprobs, token_ids):
                 return None
-            out = ChatChunkChoice(index=index, delta=DeltaMessage(content=c.delta_text or None), logprobs=logprobs,
-                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            out = ChatChunkChoice(
+                index=index,
+                delta=DeltaMessage(content=c.delta_text or None),
+                logprobs=logprobs,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
             if token_ids:
                 out.token_ids = c.delta_token_ids
             return out
 
         # The role goes first, before any token exists: the client sees the stream open at once.
-        first = [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(params.n)]
+        first = [
+            ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+            for i in range(params.n)
+        ]
         if token_ids:
             for c in first:
                 c.prompt_token_ids = prompt.ids
-        yield chunk(first)
+        yield chunk(choices=first)
         stream = ChoiceStream([gen], params.n, choice)
         async for choices in stream:
-            yield chunk(choices)
+            usage = s.usage([prompt], generated=stream.generated) if continuous_usage else None
+            yield chunk(choices=choices, usage=usage)
         if include_usage:
-            yield chunk([], s.usage([prompt], generated=stream.generated))
+            yield chunk(choices=[], usage=s.usage([prompt], generated=stream.generated))

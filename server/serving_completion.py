@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -15,7 +16,7 @@ from engine.outputs import CompletionOutput
 from engine.params import SamplingParams
 from server.errors import APIError, json_response
 from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
-from server.serving import MAX_CHOICES, ChoiceStream, PromptIds, Serving, has_news
+from server.serving import MAX_CHOICES, ChoiceStream, PromptIds, Serving, has_news, usage_options
 
 
 def _as_token_ids(value: Any) -> list[int] | None:
@@ -36,18 +37,34 @@ class CompletionServing:
         max_tokens = 16 if b.max_tokens is msgspec.UNSET else b.max_tokens
         params = s.sampling_params(b, max_tokens, b.logprobs)  # type: ignore[arg-type]
         if len(prompts) * params.n > MAX_CHOICES:
-            raise APIError(400, f"prompts x n must be at most {MAX_CHOICES} (got {len(prompts)} x {params.n})", "n")
+            raise APIError(
+                400, f"prompts x n must be at most {MAX_CHOICES} (got {len(prompts)} x {params.n})", "n"
+            )
         if b.echo and b.logprobs is not None:
-            raise APIError(400, "echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+            raise APIError(
+                400, "echo with logprobs is not supported (prompt logprobs are not computed)", "echo"
+            )
         rid = f"cmpl-{uuid.uuid4().hex}"
         ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
         prepared = [s.prepare(r, p.ids, params) for r, p in zip(ids, prompts)]
         gens = [s.generate(p) for p in prepared]
-        created = int(time.time())
+        body = functools.partial(
+            CompletionResponse, id=rid, object="text_completion", created=int(time.time()), model=s.model_name
+        )
         if b.stream:
-            include_usage = bool(b.stream_options and b.stream_options.include_usage)
-            return s.sse(self.chunks(rid, created, prompts, params, gens, bool(b.echo), include_usage,
-                                     bool(b.return_token_ids)))
+            include_usage, continuous = usage_options(b.stream_options)
+            return s.sse(
+                self.chunks(
+                    body,
+                    prompts,
+                    params,
+                    gens,
+                    bool(b.echo),
+                    include_usage,
+                    continuous,
+                    bool(b.return_token_ids),
+                )
+            )
         finals = await s.until_disconnected(request, s.collect(gens))
         choices = []
         for i, (p, final) in enumerate(zip(prompts, finals)):
@@ -56,19 +73,23 @@ class CompletionServing:
                 logprobs = None
                 if params.logprobs is not None:
                     logprobs, _ = s.tokens.completion_logprobs(c.token_ids, c.logprobs or [], 0)
-                choice = CompletionChoice(index=i * params.n + c.index, text=prefix + c.text, logprobs=logprobs,
-                                          finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                choice = CompletionChoice(
+                    index=i * params.n + c.index,
+                    text=prefix + c.text,
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
                 if b.return_token_ids:
                     choice.prompt_token_ids, choice.token_ids = p.ids, c.token_ids
                 choices.append(choice)
-        return json_response(CompletionResponse(id=rid, object="text_completion", created=created,
-                                                model=s.model_name, choices=choices, usage=s.usage(prompts, finals)))
+        return json_response(body(choices=choices, usage=s.usage(prompts, finals)))
 
     def echo_text(self, p: PromptIds) -> str:
         return p.text if p.text is not None else self.s.llm.tokenizer.decode(p.ids)
 
     def prompts(self, prompt: Any) -> list[PromptIds]:
-        """str | list[str] | list[int] | list[list[int]] (msgspec unions hold one array type: checked here)."""
+        """str, list[str], list[int] or list[list[int]]: checked here (a msgspec union has one array type)."""
         tokenize = self.s.tokenize
         if isinstance(prompt, str):
             return [PromptIds(prompt, tokenize(prompt))]
@@ -82,11 +103,24 @@ class CompletionServing:
                 return [PromptIds(None, ids) for ids in lists]  # type: ignore[arg-type]
         if isinstance(prompt, list) and not prompt:
             raise APIError(400, "prompt must not be empty", "prompt")
-        raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
-                            f"token-id lists (got {type(prompt).__name__})", "prompt")
+        raise APIError(
+            400,
+            "prompt must be a string, a list of strings, a list of token ids or a list of "
+            f"token-id lists (got {type(prompt).__name__})",
+            "prompt",
+        )
 
-    async def chunks(self, rid: str, created: int, prompts: list[PromptIds], params: SamplingParams, gens,
-                     echo: bool, include_usage: bool, token_ids: bool) -> AsyncIterator[CompletionResponse]:
+    async def chunks(
+        self,
+        body: Callable[..., CompletionResponse],
+        prompts: list[PromptIds],
+        params: SamplingParams,
+        gens,
+        echo: bool,
+        include_usage: bool,
+        continuous_usage: bool,
+        token_ids: bool,
+    ) -> AsyncIterator[CompletionResponse]:
         s = self.s
         started: set[int] = set()
         offsets: dict[int, int] = {}  # text offset of each choice's next logprob
@@ -98,13 +132,19 @@ class CompletionServing:
                 text, offsets[index] = prefix + text, len(prefix)
             logprobs = None
             if params.logprobs is not None and c.delta_token_ids:
-                logprobs, offsets[index] = s.tokens.completion_logprobs(c.delta_token_ids, c.delta_logprobs,
-                                                                        offsets[index])
+                logprobs, offsets[index] = s.tokens.completion_logprobs(
+                    c.delta_token_ids, c.delta_logprobs, offsets[index]
+                )
             if not has_news(c, text, logprobs, token_ids):
                 return None  # the echo goes out with the first chunk actually sent
             started.add(index)
-            out = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
-                                   stop_reason=c.stop_reason)
+            out = CompletionChoice(
+                index=index,
+                text=text,
+                logprobs=logprobs,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
             if token_ids:
                 out.token_ids = c.delta_token_ids
                 if first:
@@ -113,8 +153,7 @@ class CompletionServing:
 
         stream = ChoiceStream(gens, params.n, choice)
         async for choices in stream:
-            yield CompletionResponse(id=rid, object="text_completion", created=created, model=s.model_name,
-                                     choices=choices)
+            usage = s.usage(prompts, generated=stream.generated) if continuous_usage else None
+            yield body(choices=choices, usage=usage)
         if include_usage:
-            yield CompletionResponse(id=rid, object="text_completion", created=created, model=s.model_name,
-                                     choices=[], usage=s.usage(prompts, generated=stream.generated))
+            yield body(choices=[], usage=s.usage(prompts, generated=stream.generated))

@@ -1,8 +1,15 @@
 import pytest
 import torch
 
-TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+TINY = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 
 
 def make_tiny_model(path, kind: str = "llama") -> str:
@@ -22,8 +29,14 @@ def make_tiny_model(path, kind: str = "llama") -> str:
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=False))
     elif kind == "llama3":
-        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 128}
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128,
+        }
         model = LlamaForCausalLM(LlamaConfig(**TINY, rope_parameters=rope, tie_word_embeddings=True))
     elif kind == "mistral":
         model = MistralForCausalLM(MistralConfig(**TINY, sliding_window=None, tie_word_embeddings=False))

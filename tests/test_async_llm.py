@@ -12,8 +12,15 @@ from tests.conftest import engine_core_children
 
 @pytest.fixture(scope="module")
 def engine(tiny_chat_model):
-    llm = AsyncLLM(tiny_chat_model, dtype="float32", max_num_seqs=32, num_kv_blocks=160, block_size=16,
-                   max_num_batched_tokens=256, enforce_eager=True)
+    llm = AsyncLLM(
+        tiny_chat_model,
+        dtype="float32",
+        max_num_seqs=32,
+        num_kv_blocks=160,
+        block_size=16,
+        max_num_batched_tokens=256,
+        enforce_eager=True,
+    )
     yield llm
     llm.shutdown()
     assert not engine_core_children()
@@ -26,7 +33,9 @@ def run(coro):
 def test_stream_deltas_add_up_to_the_final_output(engine):
     async def go():
         deltas, tokens, last = [], [], None
-        async for out in engine.generate("Tell me", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)):
+        async for out in engine.generate(
+            "Tell me", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        ):
             deltas.append(out.outputs[0].delta_text)
             tokens += out.outputs[0].delta_token_ids
             last = out
@@ -44,8 +53,12 @@ def test_soak_random_lengths_aborts_and_stop_strings(engine):
 
     async def one(i: int) -> str:
         prompt = " ".join(rng.choice(words) for _ in range(rng.randint(1, 120)))
-        params = SamplingParams(temperature=rng.choice([0.0, 0.8]), max_tokens=rng.randint(1, 40),
-                                stop=[rng.choice("aeiou")] if rng.random() < 0.3 else [], ignore_eos=True)
+        params = SamplingParams(
+            temperature=rng.choice([0.0, 0.8]),
+            max_tokens=rng.randint(1, 40),
+            stop=[rng.choice("aeiou")] if rng.random() < 0.3 else [],
+            ignore_eos=True,
+        )
         abort_after = rng.randint(1, 10) if rng.random() < 0.25 else None
         await asyncio.sleep(rng.random() * 2)
         n = 0

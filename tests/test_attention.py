@@ -60,5 +60,7 @@ def test_decode_attention_matches_a_plain_softmax_whatever_the_slice_width(lanes
     torch.testing.assert_close(eager, expected, rtol=1e-5, atol=1e-5)
     reduction = decode_attention_reduction(q, k_cache, v_cache, tables, lens, D**-0.5)
     torch.testing.assert_close(reduction, expected, rtol=1e-5, atol=1e-5)
-    compiled = torch.compile(decode_attention_reduction, dynamic=False)(q, k_cache, v_cache, tables, lens, D**-0.5)
+    compiled = torch.compile(decode_attention_reduction, dynamic=False)(
+        q, k_cache, v_cache, tables, lens, D**-0.5
+    )
     torch.testing.assert_close(compiled, expected, rtol=1e-5, atol=1e-5)

@@ -18,8 +18,27 @@ def test_bench_scheduler(tmp_path, capsys):
 
 def test_bench_runner_on_a_tiny_model(tiny_llama, tmp_path, capsys):
     out = tmp_path / "r.json"
-    assert main(["bench", "runner", "--model", tiny_llama, "--batches", "1,3", "--context", "40", "--steps", "2",
-                 "--prefill-len", "24", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "runner",
+                "--model",
+                tiny_llama,
+                "--batches",
+                "1,3",
+                "--context",
+                "40",
+                "--steps",
+                "2",
+                "--prefill-len",
+                "24",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     for engine in ("kiln_compiled", "kiln_eager", "transformers"):
         assert set(result[engine]["decode_tok_s"]) == {"1", "3"} and result[engine]["prefill_tok_s"] > 0
@@ -58,8 +77,13 @@ def test_runner_engines_take_turns():
 
 def test_runner_report_quotes_the_roofline_only_for_batch_1():
     engine = {"decode_tok_s": {8: 40.0, 32: 90.0}, "prefill_tok_s": 300.0, "warmup_s": 5.0}
-    r = {"config": {"batches": [8, 32]}, "copy_bandwidth_GBps": 30.0, "roofline_tok_s": 55.0,
-         "kiln_compiled": engine, "transformers": {**engine, "decode_tok_s": {8: 20.0, 32: 45.0}}}
+    r = {
+        "config": {"batches": [8, 32]},
+        "copy_bandwidth_GBps": 30.0,
+        "roofline_tok_s": 55.0,
+        "kiln_compiled": engine,
+        "transformers": {**engine, "decode_tok_s": {8: 20.0, 32: 45.0}},
+    }
     report = bench.format_report(r)
     assert "| compiled / transformers | 2.00x | 2.00x | 1.00x |" in report and "of roofline" not in report
     r["config"]["batches"] = [1, 8, 32]
@@ -73,8 +97,23 @@ def test_runner_report_quotes_the_roofline_only_for_batch_1():
 
 def test_bench_startup_on_a_tiny_model(tiny_chat_model, tmp_path):
     out = tmp_path / "st.json"
-    assert main(["bench", "startup", "--model", tiny_chat_model, "--dtype", "float32",
-                 "--engine-arg=--enforce-eager", "--engine-arg=--kv-cache-memory=50000000", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "startup",
+                "--model",
+                tiny_chat_model,
+                "--dtype",
+                "float32",
+                "--engine-arg=--enforce-eager",
+                "--engine-arg=--kv-cache-memory=50000000",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     assert result["warm_s"] > 0 and result["cold_s"] > 0
 
@@ -104,8 +143,26 @@ def test_bench_prompts_are_seeded_windows_of_the_asked_lengths(tiny_chat_model, 
 def test_bench_throughput_against_transformers(continuous, tiny_chat_model, tmp_path, capsys):
     out = tmp_path / "t.json"
     flags = [] if continuous else ["--no-continuous-batching-baseline"]
-    assert main(["bench", "throughput", "--model", tiny_chat_model, *TINY_ENGINE, *TINY_LOAD, "--max-num-seqs", "2",
-                 "--compare", "transformers", *flags, "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "throughput",
+                "--model",
+                tiny_chat_model,
+                *TINY_ENGINE,
+                *TINY_LOAD,
+                "--max-num-seqs",
+                "2",
+                "--compare",
+                "transformers",
+                *flags,
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     r = json.loads(out.read_text())
     assert 8 <= r["config"]["input_len_min"] <= r["config"]["input_len_max"] <= 24
     for engine in ("kiln", "transformers_static"):
@@ -122,26 +179,67 @@ def test_bench_throughput_against_transformers(continuous, tiny_chat_model, tmp_
 
 def test_bench_latency_against_transformers(tiny_chat_model, tmp_path, capsys):
     out = tmp_path / "l.json"
-    assert main(["bench", "latency", "--model", tiny_chat_model, *TINY_ENGINE, "--max-model-len", "64",
-                 "--input-lens", "8,24,1000", "--output-len", "4", "--iters", "2", "--compare", "transformers",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "latency",
+                "--model",
+                tiny_chat_model,
+                *TINY_ENGINE,
+                "--max-model-len",
+                "64",
+                "--input-lens",
+                "8,24,1000",
+                "--output-len",
+                "4",
+                "--iters",
+                "2",
+                "--compare",
+                "transformers",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     r = json.loads(out.read_text())
     assert r["config"]["input_lens"] == [8, 24, 60]  # 1000 capped at max_model_len - output_len
     for engine in ("kiln", "transformers"):
         assert set(r[engine]) == {"8", "24", "60"}
         for d in r[engine].values():
             assert len(d["ttft_ms"]) == 2 and min(d["ttft_ms"]) > 0 and min(d["decode_tok_s"]) > 0
-    assert r["weight_bytes"] > 0 and r["roofline_tok_s"] > 0 and min(r["copy_bandwidth_GBps_before_after"]) > 0
+    assert (
+        r["weight_bytes"] > 0 and r["roofline_tok_s"] > 0 and min(r["copy_bandwidth_GBps_before_after"]) > 0
+    )
     assert "kiln speedup" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_bench_serve_launches_a_server(endpoint, tiny_chat_model, tmp_path, capsys):
     out, data = tmp_path / "s.json", tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"Tell me about kiln number {i}."}) + "\n" for i in range(4)))
+    data.write_text(
+        "".join(json.dumps({"prompt": f"Tell me about kiln number {i}."}) + "\n" for i in range(4))
+    )
     load = ["--dataset", str(data)] if endpoint == "chat" else ["--request-rate", "50"]
-    assert main(["bench", "serve", "--launch", tiny_chat_model, *TINY_ENGINE, *TINY_LOAD, "--endpoint", endpoint,
-                 *load, "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "serve",
+                "--launch",
+                tiny_chat_model,
+                *TINY_ENGINE,
+                *TINY_LOAD,
+                "--endpoint",
+                endpoint,
+                *load,
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     r = json.loads(out.read_text())
     assert r["completed"] == 4 and r["failed"] == 0 and r["first_error"] is None
     assert r["output_tokens"] == 4 * 4 and all(q["output_tokens"] == 4 for q in r["requests"])
@@ -161,8 +259,27 @@ def test_bench_serve_leaves_ignore_eos_out_for_servers_that_reject_it():
 
 def test_gpu_check_without_a_gpu_runs_exactness_and_per_bucket_speed(tiny_chat_model, tmp_path, capsys):
     out = tmp_path / "g.json"
-    assert main(["bench", "gpu-check", "--device", "cpu", "--model", tiny_chat_model, "--max-num-seqs", "3",
-                 "--context", "40", "--steps", "2", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "gpu-check",
+                "--device",
+                "cpu",
+                "--model",
+                tiny_chat_model,
+                "--max-num-seqs",
+                "3",
+                "--context",
+                "40",
+                "--steps",
+                "2",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     assert result["ok"] and result["greedy_mismatches"] == []
     assert set(result["compiled"]["decode_tok_s"]) == set(result["eager"]["decode_tok_s"]) == {"1", "2", "3"}

@@ -25,8 +25,15 @@ def stream(tokenizer, text: str, params: SamplingParams, prompt: str = "Say:"):
     return deltas, detok
 
 
-@pytest.mark.parametrize("text", [" héllo wörld, naïve café", " 日本語のテキストです。", " emoji 🎉🚀 and 👩‍👩‍👧 family",
-                                  "  leading   spaces\n\nand\ttabs"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        " héllo wörld, naïve café",
+        " 日本語のテキストです。",
+        " emoji 🎉🚀 and 👩‍👩‍👧 family",
+        "  leading   spaces\n\nand\ttabs",
+    ],
+)
 def test_incremental_text_equals_full_decode_and_never_shows_replacement_chars(tokenizer, text):
     deltas, _detok = stream(tokenizer, text, SamplingParams())
     assert "".join(deltas) == tokenizer.decode(tokenizer.encode(text))
@@ -41,7 +48,9 @@ def test_stop_string_is_removed_and_never_streamed(tokenizer):
 
 
 def test_stop_string_kept_when_asked(tokenizer):
-    _, detok = stream(tokenizer, " alpha beta gamma", SamplingParams(stop=["beta"], include_stop_str_in_output=True))
+    _, detok = stream(
+        tokenizer, " alpha beta gamma", SamplingParams(stop=["beta"], include_stop_str_in_output=True)
+    )
     assert detok.text == " alpha beta"
 
 

@@ -17,18 +17,29 @@ from tests.conftest import engine_core_children
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 
 QUESTIONS = [
-    "What is the capital of France?", "Write a haiku about autumn.", "Explain gravity to a child.", "Hi!",
-    "List three prime numbers.", "Why is the sky blue? Answer in detail, please.", "What is 17 times 23?",
-    "Translate 'good morning' into Spanish and German.", "Name a famous painter.", "What is a kiln used for?",
+    "What is the capital of France?",
+    "Write a haiku about autumn.",
+    "Explain gravity to a child.",
+    "Hi!",
+    "List three prime numbers.",
+    "Why is the sky blue? Answer in detail, please.",
+    "What is 17 times 23?",
+    "Translate 'good morning' into Spanish and German.",
+    "Name a famous painter.",
+    "What is a kiln used for?",
     "Tell me a short story about a dragon who learns to bake bread in a small village by the sea.",
-    "Give me a recipe for pancakes.", "What is the boiling point of water?", "Who wrote Hamlet?",
-    "Describe the color blue to someone who cannot see.", "What is the capital of France?",  # a repeat: a full prefix hit
+    "Give me a recipe for pancakes.",
+    "What is the boiling point of water?",
+    "Who wrote Hamlet?",
+    "Describe the color blue to someone who cannot see.",
+    "What is the capital of France?",  # a repeat: a full prefix hit
 ]
 
 
 def chat_ids(tokenizer, question: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                         tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+    )
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -47,18 +58,26 @@ def reference(prompts, smollm2_hf):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine_args", [
-    dict(),  # compiled, prefix caching and chunked prefill on
-    dict(enforce_eager=True, enable_prefix_caching=False),
-    dict(enforce_eager=True, max_num_batched_tokens=24),  # prompts prefill over several steps
-    dict(enforce_eager=True, num_kv_blocks=40),  # too small for 16 sequences at once: forces preemption
-], ids=["compiled", "no-prefix-caching", "chunked", "preemption"])
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        dict(),  # compiled, prefix caching and chunked prefill on
+        dict(enforce_eager=True, enable_prefix_caching=False),
+        dict(enforce_eager=True, max_num_batched_tokens=24),  # prompts prefill over several steps
+        dict(enforce_eager=True, num_kv_blocks=40),  # too small for 16 sequences at once: forces preemption
+    ],
+    ids=["compiled", "no-prefix-caching", "chunked", "preemption"],
+)
 def test_greedy_is_token_exact_with_transformers(prompts, reference, engine_args):
-    with LLM(dtype="float32", max_num_seqs=16, max_model_len=512, **{"kv_cache_memory": 1 << 28, **engine_args}) as llm:
+    with LLM(
+        dtype="float32", max_num_seqs=16, max_model_len=512, **{"kv_cache_memory": 1 << 28, **engine_args}
+    ) as llm:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         stats = llm.get_stats()
         # Without ignore_eos the same greedy run stops at the model's EOS, which ends no text.
-        stopped = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0].outputs[0]
+        stopped = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[
+            0
+        ].outputs[0]
     eos = reference[0].index(llm.processor.eos_token_id)
     assert stopped.token_ids == reference[0][: eos + 1] and stopped.finish_reason == "stop"
     assert stopped.text == llm.tokenizer.decode(reference[0][:eos]) and "<|im_end|>" not in stopped.text
@@ -75,7 +94,9 @@ def test_greedy_is_token_exact_with_transformers(prompts, reference, engine_args
 
 @pytest.fixture(scope="module")
 def llm(tiny_chat_model):
-    with LLM(tiny_chat_model, dtype="float32", max_num_seqs=8, num_kv_blocks=256, enforce_eager=True) as engine:
+    with LLM(
+        tiny_chat_model, dtype="float32", max_num_seqs=8, num_kv_blocks=256, enforce_eager=True
+    ) as engine:
         yield engine
     assert not engine_core_children()
 
@@ -88,32 +109,45 @@ def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(llm):
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24, ignore_eos=True)
     alone = llm.generate("Once upon a time", params, use_tqdm=False)[0].outputs[0].token_ids
     others = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
-    batch = llm.generate(["Hello there", "Once upon a time", "A B C"], [others, params, others], use_tqdm=False)
+    batch = llm.generate(
+        ["Hello there", "Once upon a time", "A B C"], [others, params, others], use_tqdm=False
+    )
     assert batch[1].outputs[0].token_ids == alone
     unseeded = llm.generate(["Once upon a time"] * 2, others, use_tqdm=False)
     assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids
 
 
 def test_max_tokens_min_tokens_and_ignore_eos(llm):
-    out = llm.generate("Count:", SamplingParams(temperature=0, max_tokens=7, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        "Count:", SamplingParams(temperature=0, max_tokens=7, ignore_eos=True), use_tqdm=False
+    )[0]
     assert len(out.outputs[0].token_ids) == 7 and out.outputs[0].finish_reason == "length"
     # Make EOS the greedy choice from the first step by making it a stop token of a sampled step.
     first = out.outputs[0].token_ids[0]
-    stopped = llm.generate("Count:", SamplingParams(temperature=0, max_tokens=7, stop_token_ids=[first]),
-                           use_tqdm=False)[0].outputs[0]
+    stopped = llm.generate(
+        "Count:", SamplingParams(temperature=0, max_tokens=7, stop_token_ids=[first]), use_tqdm=False
+    )[0].outputs[0]
     assert stopped.token_ids == [first] and stopped.finish_reason == "stop" and stopped.stop_reason == first
-    held = llm.generate("Count:", SamplingParams(temperature=0, max_tokens=7, min_tokens=3, stop_token_ids=[first]),
-                        use_tqdm=False)[0].outputs[0]
+    held = llm.generate(
+        "Count:",
+        SamplingParams(temperature=0, max_tokens=7, min_tokens=3, stop_token_ids=[first]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert len(held.token_ids) >= 3 and held.token_ids[:3] == out.outputs[0].token_ids[:3]
 
 
 def test_stop_string_ends_generation_and_frees_the_sequence(llm):
-    full = llm.generate("The story", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)[0]
+    full = llm.generate(
+        "The story", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False
+    )[0]
     text = full.outputs[0].text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip(), "need a visible stop string"
-    out = llm.generate("The story", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        "The story",
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == text[: text.index(stop)]
     assert len(out.token_ids) < 30
@@ -121,15 +155,20 @@ def test_stop_string_ends_generation_and_frees_the_sequence(llm):
 
 
 def test_n_samples_share_the_prompt_and_differ(llm):
-    out = llm.generate("Pick a word:", SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=7, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        "Pick a word:",
+        SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=7, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) == 3
     assert all(len(c.token_ids) == 12 for c in out.outputs)
 
 
 def test_logprobs_are_sorted_and_include_the_sampled_token_at_temperature_zero(llm):
-    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=5, logprobs=3), use_tqdm=False)[0].outputs[0]
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=5, logprobs=3), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert len(out.logprobs) == len(out.token_ids)
     for token, (lp, top) in zip(out.token_ids, out.logprobs):
         assert len(top) == 3 and top[0][0] == token and abs(top[0][1] - lp) < 1e-5

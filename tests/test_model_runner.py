@@ -25,14 +25,22 @@ def poison_kv_cache(runner: ModelRunner) -> None:
 
 def check_packed_step(model_dir: str, vocab: int, block_size: int = 4) -> None:
     torch.manual_seed(1)
-    runner = build_runner(model_dir, dtype="float32", block_size=8 if block_size == 8 else 16, max_num_seqs=8,
-                          num_kv_blocks=256, enforce_eager=True)
+    runner = build_runner(
+        model_dir,
+        dtype="float32",
+        block_size=8 if block_size == 8 else 16,
+        max_num_seqs=8,
+        num_kv_blocks=256,
+        enforce_eager=True,
+    )
     runner.initialize_kv_cache(256)
     poison_kv_cache(runner)
     bs = runner.block_size
     drv = RunnerDriver(runner, chunk=2 * bs)
-    prompts = {rid: torch.randint(0, vocab, (n,)).tolist() for rid, n in
-               [("chunked", 5 * bs + 3), ("decode", 7), ("one", 1), ("fresh", 2 * bs - 3)]}
+    prompts = {
+        rid: torch.randint(0, vocab, (n,)).tolist()
+        for rid, n in [("chunked", 5 * bs + 3), ("decode", 7), ("one", 1), ("fresh", 2 * bs - 3)]
+    }
     for rid in ("chunked", "decode", "one"):
         drv.add(rid, prompts[rid])
     drv.step()  # chunked: first 2 blocks; decode and one: whole prompt, sampled
@@ -44,8 +52,11 @@ def check_packed_step(model_dir: str, vocab: int, block_size: int = 4) -> None:
     # A prefix-cache hit: shares "chunked"'s first two (computed) blocks and computes the rest.
     hit_prompt = drv.reqs["chunked"]["tokens"][: 2 * bs] + torch.randint(0, vocab, (bs + 5,)).tolist()
     hit_blocks = [*drv.reqs["chunked"]["blocks"][:2], 200, 201]
-    so.new_reqs.append(NewRequestData("hit", hit_prompt, len(hit_prompt), SamplingParams(temperature=0), hit_blocks,
-                                      2 * bs, 0))
+    so.new_reqs.append(
+        NewRequestData(
+            "hit", hit_prompt, len(hit_prompt), SamplingParams(temperature=0), hit_blocks, 2 * bs, 0
+        )
+    )
     so.num_scheduled_tokens["hit"] = bs + 5
     so.total_num_scheduled_tokens = sum(so.num_scheduled_tokens.values())
     ours = drv.logits(so)
@@ -66,7 +77,7 @@ def test_packed_step_logits_match_transformers(tiny_model):
 
 
 def test_bfloat16_decode_matches_transformers(tiny_llama):
-    """bfloat16 decode graphs: one sequence (matrix-vector reductions), then two (matmuls); prefill between."""
+    """bfloat16 decode graphs: one sequence (matrix-vector reductions), then two (matmuls)."""
     torch.manual_seed(2)
     runner = build_runner(tiny_llama, dtype="bfloat16", max_num_seqs=4, num_kv_blocks=64)
     runner.initialize_kv_cache(64)
@@ -112,8 +123,14 @@ def test_greedy_generation_matches_transformers_smollm2(smollm2_dir, smollm2_hf,
 
     prompts = chat_prompts(AutoTokenizer.from_pretrained(smollm2_dir), 9)
     torch._dynamo.reset()  # graphs other tests compiled count against Dynamo's recompile limit
-    runner = build_runner(smollm2_dir, dtype="float32", max_num_seqs=16, num_kv_blocks=128,
-                          max_num_batched_tokens=64, enforce_eager=enforce_eager)
+    runner = build_runner(
+        smollm2_dir,
+        dtype="float32",
+        max_num_seqs=16,
+        num_kv_blocks=128,
+        max_num_batched_tokens=64,
+        enforce_eager=enforce_eager,
+    )
     runner.initialize_kv_cache(128)
     poison_kv_cache(runner)
     assert greedy_mismatches(runner, smollm2_hf, prompts) == []
@@ -123,8 +140,14 @@ def test_no_recompile_after_warmup(tiny_llama, monkeypatch):
     # Decode steps skip Dynamo's guards after the warm-up: check them anyway, on every call.
     monkeypatch.setattr(GuardFreeGraph, "check_guards", True)
     torch._dynamo.reset()  # graphs other tests compiled count against Dynamo's recompile limit
-    runner = build_runner(tiny_llama, dtype="float32", max_num_seqs=12, num_kv_blocks=512,
-                          max_num_batched_tokens=64, max_model_len=256)
+    runner = build_runner(
+        tiny_llama,
+        dtype="float32",
+        max_num_seqs=12,
+        num_kv_blocks=512,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+    )
     runner.initialize_kv_cache(512)
     runner.warmup()
     graphs = runner.policy.decode_graphs
@@ -186,7 +209,7 @@ def test_decode_falls_back_to_the_wrapped_calls(fallback, tiny_llama, monkeypatc
 
 
 def test_the_direct_call_self_check_catches_a_lost_kv_write(tiny_llama):
-    """A direct call that returns the right hidden states but leaves the cache unwritten must fail the check."""
+    """A direct call that returns the right hidden states but leaves the cache unwritten fails the check."""
     runner = build_runner(tiny_llama, dtype="float32", max_num_seqs=4, num_kv_blocks=16, enforce_eager=True)
     runner.initialize_kv_cache(16)
     drv = RunnerDriver(runner)

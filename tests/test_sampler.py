@@ -12,10 +12,22 @@ def meta(rows: int, **kw) -> SamplingMetadata:
         return torch.tensor(v if isinstance(v, list) else [v] * rows, dtype=dtype)
 
     m = SamplingMetadata(
-        temperature=col("temperature", 1.0), top_k=col("top_k", 0, torch.int64), top_p=col("top_p", 1.0),
-        min_p=col("min_p", 0.0), seeds=col("seeds", 0, torch.int64), steps=col("steps", 0, torch.int64),
-        all_greedy=False, any_top_k=False, any_top_p=False, any_min_p=False)
-    m.any_top_k, m.any_top_p, m.any_min_p = bool((m.top_k > 0).any()), bool((m.top_p < 1).any()), bool((m.min_p > 0).any())
+        temperature=col("temperature", 1.0),
+        top_k=col("top_k", 0, torch.int64),
+        top_p=col("top_p", 1.0),
+        min_p=col("min_p", 0.0),
+        seeds=col("seeds", 0, torch.int64),
+        steps=col("steps", 0, torch.int64),
+        all_greedy=False,
+        any_top_k=False,
+        any_top_p=False,
+        any_min_p=False,
+    )
+    m.any_top_k, m.any_top_p, m.any_min_p = (
+        bool((m.top_k > 0).any()),
+        bool((m.top_p < 1).any()),
+        bool((m.min_p > 0).any()),
+    )
     for k, v in kw.items():
         setattr(m, k, v)
     return m
@@ -37,7 +49,11 @@ def test_top_k_never_leaves_the_top_k():
 def test_top_p_keeps_the_smallest_set_reaching_p():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5], [0.4, 0.3, 0.2, 0.1]])
     kept = filter_probs(probs, meta(3, top_p=[0.7, 0.85, 0.95]))
-    assert (kept > 0).tolist() == [[True, True, False, False], [False, True, True, True], [True, True, True, True]]
+    assert (kept > 0).tolist() == [
+        [True, True, False, False],
+        [False, True, True, True],
+        [True, True, True, True],
+    ]
 
 
 def test_min_p_drops_tokens_below_a_fraction_of_the_best():
@@ -49,8 +65,14 @@ def test_penalties_follow_their_formulas():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
     counts = torch.tensor([[2, 0, 1, 0, 0]])  # output tokens
     seen = torch.tensor([[True, True, True, False, False]])  # prompt has token 1 too
-    m = meta(1, presence=torch.tensor([0.5]), frequency=torch.tensor([0.25]), repetition=torch.tensor([2.0]),
-             output_counts=counts, seen_mask=seen)
+    m = meta(
+        1,
+        presence=torch.tensor([0.5]),
+        frequency=torch.tensor([0.25]),
+        repetition=torch.tensor([2.0]),
+        output_counts=counts,
+        seen_mask=seen,
+    )
     out = apply_penalties(logits.clone(), m)
     expected = [2.0 / 2 - 0.25 * 2 - 0.5, -1.0 * 2, 0.5 / 2 - 0.25 - 0.5, 3.0, -2.0]
     assert torch.allclose(out, torch.tensor([expected]))
@@ -77,7 +99,9 @@ def test_seeded_draws_do_not_depend_on_the_batch():
     row = torch.randn(1, 200)
     alone = [int(sample(row, meta(1, seeds=99, steps=s)).token_ids[0]) for s in range(20)]
     batch = torch.cat([torch.randn(3, 200), row, torch.randn(2, 200)])
-    mixed = [int(sample(batch, meta(6, seeds=[5, 6, 7, 99, 8, 9], steps=[s] * 6)).token_ids[3]) for s in range(20)]
+    mixed = [
+        int(sample(batch, meta(6, seeds=[5, 6, 7, 99, 8, 9], steps=[s] * 6)).token_ids[3]) for s in range(20)
+    ]
     assert alone == mixed
     assert len(set(alone)) > 1  # the step counter advances the draws
     other_seed = [int(sample(row, meta(1, seeds=100, steps=s)).token_ids[0]) for s in range(20)]

@@ -32,8 +32,20 @@ MODEL = "SmolLM2-135M-Instruct"
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 BODY_LIMIT = 1 << 20
-SERVER_ARGS = ["--dtype", "float32", "--max-num-seqs", "16", "--kv-cache-memory", str(256 << 20),
-               "--max-model-len", "2048", "--api-key", KEY, "--max-request-body-bytes", str(BODY_LIMIT)]
+SERVER_ARGS = [
+    "--dtype",
+    "float32",
+    "--max-num-seqs",
+    "16",
+    "--kv-cache-memory",
+    str(256 << 20),
+    "--max-model-len",
+    "2048",
+    "--api-key",
+    KEY,
+    "--max-request-body-bytes",
+    str(BODY_LIMIT),
+]
 if os.environ.get("KILN_TEST_SERVER_COMPILED") != "1":
     SERVER_ARGS.append("--enforce-eager")
 
@@ -71,7 +83,9 @@ def client(server):
 
 def engine_gauges(http: httpx.Client) -> dict[str, float]:
     text = http.get("/metrics").text
-    found = re.findall(r"^kiln:(num_requests_running|num_requests_waiting|kv_cache_usage_perc)\{[^}]*\} (\S+)$", text, re.M)
+    found = re.findall(
+        r"^kiln:(num_requests_running|num_requests_waiting|kv_cache_usage_perc)\{[^}]*\} (\S+)$", text, re.M
+    )
     return {name: float(value) for name, value in found}
 
 
@@ -85,6 +99,7 @@ def wait_idle(http: httpx.Client, timeout: float = 10.0) -> dict[str, float]:
 
 
 # ---- the openai client ---------------------------------------------------------------------------
+
 
 def test_health_version_models(server, http, client):
     assert httpx.get(server.url + "/health").status_code == 200  # no key needed
@@ -108,20 +123,29 @@ def test_completions_stream_equals_non_stream(client):
 
 
 def test_completions_n_stop_logprobs(client):
-    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, n=2, temperature=0.8, seed=7)
+    r = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=8, n=2, temperature=0.8, seed=7
+    )
     assert sorted(c.index for c in r.choices) == [0, 1] and r.usage.completion_tokens <= 16
-    again = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, n=2, temperature=0.8, seed=7)
+    again = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=8, n=2, temperature=0.8, seed=7
+    )
     assert [c.text for c in again.choices] == [c.text for c in r.choices]  # seeded
 
-    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0,
-                                  stop=["."])
-    assert r.choices[0].finish_reason == "stop" and "." not in r.choices[0].text and "Paris" in r.choices[0].text
-    streamed = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0,
-                                         stop=["."], stream=True)
+    r = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0, stop=["."]
+    )
+    assert (
+        r.choices[0].finish_reason == "stop" and "." not in r.choices[0].text and "Paris" in r.choices[0].text
+    )
+    streamed = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0, stop=["."], stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
 
-    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
-                                  logprobs=2)
+    r = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=2
+    )
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens == 6
     assert "".join(lp.tokens) == r.choices[0].text
@@ -132,8 +156,15 @@ def test_completions_n_stop_logprobs(client):
 
 
 def test_chat_stream_equals_non_stream(client):
-    kw = dict(model=MODEL, messages=[{"role": "system", "content": "You are terse."},
-                                     {"role": "user", "content": "Name a color."}], max_tokens=12, temperature=0)
+    kw = dict(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Name a color."},
+        ],
+        max_tokens=12,
+        temperature=0,
+    )
     full = client.chat.completions.create(**kw)
     msg = full.choices[0].message
     assert full.object == "chat.completion" and msg.role == "assistant" and msg.content
@@ -149,8 +180,15 @@ def test_chat_stream_equals_non_stream(client):
 
 def test_chat_n_logprobs_parts_and_max_completion_tokens(client):
     r = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": [{"type": "text", "text": "Say something."}]}],
-        max_completion_tokens=5, n=2, temperature=1.0, seed=3, logprobs=True, top_logprobs=2)
+        model=MODEL,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Say something."}]}],
+        max_completion_tokens=5,
+        n=2,
+        temperature=1.0,
+        seed=3,
+        logprobs=True,
+        top_logprobs=2,
+    )
     assert sorted(c.index for c in r.choices) == [0, 1]
     for c in r.choices:
         content = c.logprobs.content
@@ -166,8 +204,17 @@ def test_greedy_is_token_exact_with_transformers(http):
     from server.bench.driver import hf_greedy, model_dir
 
     prompt, n = "The quick brown fox", 24
-    r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0,
-                                           "ignore_eos": True, "return_token_ids": True}).json()
+    r = http.post(
+        "/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": n,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    ).json()
     choice = r["choices"][0]
     assert len(choice["token_ids"]) == n and choice["finish_reason"] == "length"
 
@@ -178,22 +225,35 @@ def test_greedy_is_token_exact_with_transformers(http):
 
 # ---- load and disconnects ------------------------------------------------------------------------
 
+
 def test_64_concurrent_streams(server, http, client):
     import openai
 
     prompts = ["Hello, my name is", "The best way to learn is", "def fibonacci(n):", "In 1969, the first"]
-    expected = [client.completions.create(model=MODEL, prompt=p, max_tokens=10, temperature=0,
-                                          extra_body={"ignore_eos": True}) for p in prompts]
+    expected = [
+        client.completions.create(
+            model=MODEL, prompt=p, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+        )
+        for p in prompts
+    ]
 
     async def one(aclient, i: int):
-        stream = await aclient.completions.create(model=MODEL, prompt=prompts[i % 4], max_tokens=10, temperature=0,
-                                                  stream=True, stream_options={"include_usage": True},
-                                                  extra_body={"ignore_eos": True})
+        stream = await aclient.completions.create(
+            model=MODEL,
+            prompt=prompts[i % 4],
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         chunks = [c async for c in stream]
         return i, chunks
 
     async def run():
-        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120) as aclient:
+        async with openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120
+        ) as aclient:
             return await asyncio.gather(*(one(aclient, i) for i in range(64)))
 
     for i, chunks in asyncio.run(run()):
@@ -205,8 +265,12 @@ def test_64_concurrent_streams(server, http, client):
 
 
 def test_dropped_clients_free_their_kv_blocks(server, http):
-    body = {"model": MODEL, "prompt": "Write a very long story about a dragon.", "max_tokens": 1500,
-            "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "prompt": "Write a very long story about a dragon.",
+        "max_tokens": 1500,
+        "ignore_eos": True,
+    }
     before = server.log_text().count("finish_reason=abort")
 
     async def drop_stream(c: httpx.AsyncClient, path: str, payload: dict):
@@ -223,9 +287,15 @@ def test_dropped_clients_free_their_kv_blocks(server, http):
     async def run():
         limits = httpx.Limits(max_connections=200, max_keepalive_connections=0)
         async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60, limits=limits) as c:
-            chat = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me everything."}], "max_tokens": 1500}
-            await asyncio.gather(*(drop_stream(c, "/v1/completions", body) for _ in range(40)),
-                                 *(drop_stream(c, "/v1/chat/completions", chat) for _ in range(10)))
+            chat = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "Tell me everything."}],
+                "max_tokens": 1500,
+            }
+            await asyncio.gather(
+                *(drop_stream(c, "/v1/completions", body) for _ in range(40)),
+                *(drop_stream(c, "/v1/chat/completions", chat) for _ in range(10)),
+            )
             await asyncio.gather(*(time_out(c) for _ in range(50)))
 
     start = time.monotonic()
@@ -242,16 +312,20 @@ def test_dropped_clients_free_their_kv_blocks(server, http):
 
 
 def test_metrics_and_access_log(server, http):
-    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 4,
-                                           "ignore_eos": True}).json()
+    r = http.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 4, "ignore_eos": True},
+    ).json()
     text = http.get("/metrics").text
     for name in METRIC_NAMES:
         assert re.search(rf"^{re.escape(name)}\{{", text, re.M), name
     generated = float(re.search(r"^kiln:generation_tokens_total\{[^}]*\} (\S+)$", text, re.M).group(1))
     assert generated >= 4
-    assert float(re.search(r'^kiln:prefix_cache_queries_total\{[^}]*\} (\S+)$', text, re.M).group(1)) > 0
+    assert float(re.search(r"^kiln:prefix_cache_queries_total\{[^}]*\} (\S+)$", text, re.M).group(1)) > 0
     line = next(li for li in server.log_text().splitlines() if r["id"] in li)
-    assert re.search(r"prompt_tokens=\d+ generation_tokens=4 ttft=[\d.]+s total=[\d.]+s finish_reason=length", line)
+    assert re.search(
+        r"prompt_tokens=\d+ generation_tokens=4 ttft=[\d.]+s total=[\d.]+s finish_reason=length", line
+    )
 
 
 # ---- bad input -----------------------------------------------------------------------------------
@@ -300,8 +374,12 @@ BAD = [
     (CHAT, {"messages": [{"content": "hi"}]}, 400, "messages[0].role"),
     (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
     (CHAT, {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
-    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
-     "messages[0].content"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "messages[0].content",
+    ),
     (CHAT, {"messages": USER, "model": "nope"}, 404, "model"),
     (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
@@ -321,13 +399,19 @@ def test_bad_input_is_a_clear_4xx(server, http):
         r = http.post(path, content=content, headers={"Content-Type": "application/json"})
         err = assert_error(r, status, param)
         if param is not None:
-            assert param.split("[")[0].split(".")[0] in err["message"], (path, body if len(content) < 200 else "...", err)
+            assert param.split("[")[0].split(".")[0] in err["message"], (
+                path,
+                body if len(content) < 200 else "...",
+                err,
+            )
         assert "Traceback" not in err["message"]
     assert_error(http.get("/v1/nope"), 404)
     assert_error(http.get("/v1/completions"), 405)
     # The API key: /v1 needs it, the health check does not.
     assert_error(httpx.get(server.url + "/v1/models"), 401)
-    assert_error(httpx.post(server.url + C, json={"prompt": "hi"}, headers={"Authorization": "Bearer wrong"}), 401)
+    assert_error(
+        httpx.post(server.url + C, json={"prompt": "hi"}, headers={"Authorization": "Bearer wrong"}), 401
+    )
     assert httpx.get(server.url + "/health").status_code == 200
     r = http.post(C, json={"prompt": "hi", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
@@ -343,7 +427,11 @@ def _cheap(body):
             body[key] = 2
     if type(body.get("n")) is int and 2 < body["n"] <= 128:
         body["n"] = 2
-    if isinstance(body.get("prompt"), list) and len(body["prompt"]) > 2 and all(isinstance(p, list | str) for p in body["prompt"]):
+    if (
+        isinstance(body.get("prompt"), list)
+        and len(body["prompt"]) > 2
+        and all(isinstance(p, list | str) for p in body["prompt"])
+    ):
         body["prompt"] = body["prompt"][:2]
     return body
 
@@ -361,7 +449,9 @@ def test_still_serving_after_everything(server, http, client):
     r = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=4, temperature=0)
     assert r.choices[0].text and r.usage.completion_tokens == 4
     assert wait_idle(http) == {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0}
-    assert "ERROR" not in server.log_text() and "Traceback" not in server.log_text(), server.log_text()[-3000:]
+    assert "ERROR" not in server.log_text() and "Traceback" not in server.log_text(), server.log_text()[
+        -3000:
+    ]
 
 
 def _engine_core_of(proc: subprocess.Popen) -> int:
@@ -381,7 +471,9 @@ def test_engine_death_is_503_not_a_hang(server, http):
     """Last in the module: it kills the server's engine core."""
     os.kill(_engine_core_of(server.proc), signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while (r := httpx.get(server.url + "/health", timeout=15)).status_code == 200 and time.monotonic() < deadline:
+    while (
+        r := httpx.get(server.url + "/health", timeout=15)
+    ).status_code == 200 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert "engine core" in assert_error(r, 503)["message"]
     err = assert_error(http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}), 503)

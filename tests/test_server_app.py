@@ -71,13 +71,20 @@ class FakeLLM:
         self.aborted: list[str] = []
 
     def chat_prompt(self, conversation, add_generation_prompt=True, chat_template_kwargs=None) -> list[int]:
-        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt, tokenize=False,
-                                                  **(chat_template_kwargs or {}))
+        text = self.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt, tokenize=False, **(chat_template_kwargs or {})
+        )
         return self.tokenizer.encode(text)
 
     async def get_stats(self) -> dict:
-        return dict(num_running=len(self.running), num_waiting=0, kv_cache_usage=0.5 if self.running else 0.0,
-                    prefix_cache_queries=10, prefix_cache_hits=4, num_preemptions=0)
+        return dict(
+            num_running=len(self.running),
+            num_waiting=0,
+            kv_cache_usage=0.5 if self.running else 0.0,
+            prefix_cache_queries=10,
+            prefix_cache_hits=4,
+            num_preemptions=0,
+        )
 
     def process(self, prompt, params, request_id=None):
         return self.processor.process(request_id or "req", prompt, params, time.time())
@@ -86,7 +93,9 @@ class FakeLLM:
         if self.dead:
             raise EngineDeadError(self.dead)
         ids, params, rid = request.prompt_token_ids, request.params, request.request_id
-        outs = [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
+        outs = [
+            CompletionOutput(i, logprobs=[] if params.logprobs is not None else None) for i in range(params.n)
+        ]
         metrics = RequestMetrics(time.time(), scheduled_time=time.time())
         self.running.add(rid)
         finished = False
@@ -104,9 +113,19 @@ class FakeLLM:
                         o.logprobs.append(lp)
                     if last:
                         o.finish_reason = "length"
-                    snapshot.append(CompletionOutput(o.index, o.text, list(o.token_ids), o.logprobs and list(o.logprobs),
-                                                     o.finish_reason, None, chr(token), [token],
-                                                     [lp] if o.logprobs is not None else []))
+                    snapshot.append(
+                        CompletionOutput(
+                            o.index,
+                            o.text,
+                            list(o.token_ids),
+                            o.logprobs and list(o.logprobs),
+                            o.finish_reason,
+                            None,
+                            chr(token),
+                            [token],
+                            [lp] if o.logprobs is not None else [],
+                        )
+                    )
                 if metrics.first_token_time is None:
                     metrics.first_token_time = time.time()
                 finished = last
@@ -145,13 +164,23 @@ def sse(text: str) -> list[dict]:
 
 def test_api_key_guards_v1_routes_only(fake):
     with TestClient(build_app(fake, api_key="sekret")) as c:
-        for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]:
+        for method, path in [
+            ("GET", "/v1/models"),
+            ("POST", "/v1/completions"),
+            ("POST", "/v1/chat/completions"),
+        ]:
             assert_error(c.request(method, path, json={"prompt": "hi"}), 401)
-            err = assert_error(c.request(method, path, json={"prompt": "hi"}, headers={"Authorization": "Bearer nope"}), 401)
+            err = assert_error(
+                c.request(method, path, json={"prompt": "hi"}, headers={"Authorization": "Bearer nope"}), 401
+            )
             assert err["code"] == "invalid_api_key"
         assert_error(c.get("/v1/models", headers={"Authorization": "sekret"}), 401)
         assert c.get("/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
-        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers={"Authorization": "Bearer sekret"})
+        r = c.post(
+            "/v1/completions",
+            json={"prompt": "hi", "max_tokens": 2},
+            headers={"Authorization": "Bearer sekret"},
+        )
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ab"
         for path in ("/health", "/metrics", "/version"):
             assert c.get(path).status_code == 200
@@ -189,7 +218,11 @@ def test_batch_prompts_and_n_index_choices(client):
     body = {"prompt": ["hi", "there"], "n": 2, "max_tokens": 3, "return_token_ids": True}
     r = client.post("/v1/completions", json=body).json()
     assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
-    assert r["choices"][2]["prompt_token_ids"] == list(b"there") and r["choices"][0]["token_ids"] == [97, 98, 99]
+    assert r["choices"][2]["prompt_token_ids"] == list(b"there") and r["choices"][0]["token_ids"] == [
+        97,
+        98,
+        99,
+    ]
     assert r["usage"] == {"prompt_tokens": 7, "completion_tokens": 12, "total_tokens": 19}
     chunks = sse(client.post("/v1/completions", json={**body, "stream": True}).text)
     text: dict[int, str] = {}
@@ -201,22 +234,44 @@ def test_batch_prompts_and_n_index_choices(client):
 
 
 def test_token_id_prompts_echo_and_logprobs(client):
-    r = client.post("/v1/completions", json={"prompt": [[104, 105], [111]], "max_tokens": 2, "echo": True}).json()
+    r = client.post(
+        "/v1/completions", json={"prompt": [[104, 105], [111]], "max_tokens": 2, "echo": True}
+    ).json()
     assert [c["text"] for c in r["choices"]] == ["hiab", "oab"]
     r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "logprobs": 1}).json()
     lp = r["choices"][0]["logprobs"]
-    assert lp["tokens"] == ["a", "b", "c"] and lp["token_logprobs"] == [-0.5] * 3 and lp["text_offset"] == [0, 1, 2]
+    assert (
+        lp["tokens"] == ["a", "b", "c"]
+        and lp["token_logprobs"] == [-0.5] * 3
+        and lp["text_offset"] == [0, 1, 2]
+    )
     assert lp["top_logprobs"][0] == {"a": -0.5}
-    chunks = sse(client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "logprobs": 1, "stream": True}).text)
+    chunks = sse(
+        client.post(
+            "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "logprobs": 1, "stream": True}
+        ).text
+    )
     assert [ch["choices"][0]["logprobs"]["text_offset"] for ch in chunks] == [[0], [1], [2]]
-    chunks = sse(client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": True, "echo": True}).text)
+    chunks = sse(
+        client.post(
+            "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": True, "echo": True}
+        ).text
+    )
     assert [ch["choices"][0]["text"] for ch in chunks] == ["hia", "b", "c"]
-    assert_error(client.post("/v1/completions", json={"prompt": "hi", "echo": True, "logprobs": 1}), 400, "echo")
+    assert_error(
+        client.post("/v1/completions", json={"prompt": "hi", "echo": True, "logprobs": 1}), 400, "echo"
+    )
 
 
 def test_chat_stream_role_first_finish_last_usage_only_when_asked(client):
-    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 3, "n": 2,
-            "stream": True, "logprobs": True, "top_logprobs": 1}
+    body = {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        "max_tokens": 3,
+        "n": 2,
+        "stream": True,
+        "logprobs": True,
+        "top_logprobs": 1,
+    }
     chunks = sse(client.post("/v1/chat/completions", json=body).text)
     assert [c["delta"] for c in chunks[0]["choices"]] == [{"role": "assistant", "content": ""}] * 2
     for i in range(2):
@@ -225,20 +280,41 @@ def test_chat_stream_role_first_finish_last_usage_only_when_asked(client):
         assert [c["finish_reason"] for c in mine] == [None] * (len(mine) - 1) + ["length"]
         assert mine[1]["logprobs"]["content"][0]["top_logprobs"][0]["token"] == "a"
     assert all("usage" not in ch for ch in chunks)
-    chunks = sse(client.post("/v1/chat/completions", json={**body, "stream_options": {"include_usage": True}}).text)
+    chunks = sse(
+        client.post("/v1/chat/completions", json={**body, "stream_options": {"include_usage": True}}).text
+    )
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
     assert all("usage" not in ch for ch in chunks[:-1])
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = sse(client.post("/v1/chat/completions", json={**body, "stream_options": options}).text)
+    counts = [ch["usage"]["completion_tokens"] for ch in chunks[1:]]
+    assert counts == sorted(counts) and counts[0] > 0 and counts[-1] == 6 and chunks[-1]["choices"] == []
+    assert all(ch["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] for ch in chunks[1:])
 
 
-METRIC_NAMES = ("kiln:request_success_total", "kiln:prompt_tokens_total", "kiln:generation_tokens_total",
-                "kiln:num_requests_running", "kiln:num_requests_waiting", "kiln:kv_cache_usage_perc",
-                "kiln:prefix_cache_queries_total", "kiln:prefix_cache_hits_total", "kiln:num_preemptions_total",
-                "kiln:time_to_first_token_seconds_bucket", "kiln:inter_token_latency_seconds_bucket",
-                "kiln:e2e_request_latency_seconds_bucket", "kiln:request_queue_time_seconds_bucket")
+METRIC_NAMES = (
+    "kiln:request_success_total",
+    "kiln:prompt_tokens_total",
+    "kiln:generation_tokens_total",
+    "kiln:num_requests_running",
+    "kiln:num_requests_waiting",
+    "kiln:kv_cache_usage_perc",
+    "kiln:prefix_cache_queries_total",
+    "kiln:prefix_cache_hits_total",
+    "kiln:num_preemptions_total",
+    "kiln:time_to_first_token_seconds_bucket",
+    "kiln:inter_token_latency_seconds_bucket",
+    "kiln:e2e_request_latency_seconds_bucket",
+    "kiln:request_queue_time_seconds_bucket",
+)
 
 
 def test_tokenize_detokenize_models_version_metrics(client):
-    assert client.post("/tokenize", json={"prompt": "hi"}).json() == {"count": 2, "max_model_len": 64, "tokens": [104, 105]}
+    assert client.post("/tokenize", json={"prompt": "hi"}).json() == {
+        "count": 2,
+        "max_model_len": 64,
+        "tokens": [104, 105],
+    }
     r = client.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}]}).json()
     assert r["tokens"] == list(b"user: x\nassistant: ")
     assert client.post("/detokenize", json={"tokens": [104, 105]}).json() == {"prompt": "hi"}
@@ -270,10 +346,19 @@ def _drive_until_disconnect(app, body: dict, disconnect_after_s: float) -> list[
         async def send(message):
             sent.append(message)
 
-        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-                 "query_string": b"", "headers": [(b"content-type", b"application/json")],
-                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/v1/completions",
+            "raw_path": b"/v1/completions",
+            "query_string": b"",
+            "headers": [(b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 8000),
+        }
         await asyncio.wait_for(app(scope, receive, send), timeout=10)
 
     asyncio.run(go())
@@ -297,10 +382,18 @@ def test_client_disconnect_aborts_the_generation(stream, caplog):
 
 # ---- random bodies (tests/test_server.py sends these to the live server too) -------------------------
 
-json_scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False)
-                | st.text(max_size=12))
-json_values = st.recursive(json_scalars, lambda kids: st.lists(kids, max_size=3)
-                           | st.dictionaries(st.text(max_size=6), kids, max_size=3), max_leaves=8)
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12)
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=6), kids, max_size=3),
+    max_leaves=8,
+)
 small_int = st.integers(-3, 4) | st.sampled_from([0, 21, 10**6, 2**64])
 
 
@@ -309,48 +402,96 @@ def _messages(roles, content):
 
 
 # Anything goes: mostly wrong types and out-of-range values.
-wild_messages = _messages(st.sampled_from(["user", "system", "assistant", "developer", "tool", "x"]) | json_values,
-                          st.text(max_size=20) | json_values | st.lists(st.fixed_dictionaries(
-                              {"type": st.sampled_from(["text", "image_url"]), "text": st.text(max_size=8)}),
-                              max_size=2)) | json_values
+wild_messages = (
+    _messages(
+        st.sampled_from(["user", "system", "assistant", "developer", "tool", "x"]) | json_values,
+        st.text(max_size=20)
+        | json_values
+        | st.lists(
+            st.fixed_dictionaries(
+                {"type": st.sampled_from(["text", "image_url"]), "text": st.text(max_size=8)}
+            ),
+            max_size=2,
+        ),
+    )
+    | json_values
+)
 WILD = {
-    "model": st.sampled_from([MODEL, "other"]) | json_values, "n": small_int | json_values,
-    "temperature": st.floats(-1, 3) | json_values, "top_p": st.floats(-0.5, 1.5) | json_values,
-    "top_k": small_int | json_values, "min_p": st.floats(-1, 2) | json_values, "seed": small_int | json_values,
+    "model": st.sampled_from([MODEL, "other"]) | json_values,
+    "n": small_int | json_values,
+    "temperature": st.floats(-1, 3) | json_values,
+    "top_p": st.floats(-0.5, 1.5) | json_values,
+    "top_k": small_int | json_values,
+    "min_p": st.floats(-1, 2) | json_values,
+    "seed": small_int | json_values,
     "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=3) | json_values,
-    "stop_token_ids": st.lists(small_int, max_size=3) | json_values, "stream": st.booleans() | json_values,
-    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | json_values}) | json_values,
-    "presence_penalty": st.floats(-3, 3) | json_values, "repetition_penalty": st.floats(-1, 3) | json_values,
-    "min_tokens": small_int | json_values, "ignore_eos": st.booleans() | json_values,
-    "skip_special_tokens": st.booleans() | json_values, "max_tokens": small_int | json_values,
-    "user": st.text(max_size=5) | json_values, "return_token_ids": st.booleans() | json_values,
+    "stop_token_ids": st.lists(small_int, max_size=3) | json_values,
+    "stream": st.booleans() | json_values,
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | json_values})
+    | json_values,
+    "presence_penalty": st.floats(-3, 3) | json_values,
+    "repetition_penalty": st.floats(-1, 3) | json_values,
+    "min_tokens": small_int | json_values,
+    "ignore_eos": st.booleans() | json_values,
+    "skip_special_tokens": st.booleans() | json_values,
+    "max_tokens": small_int | json_values,
+    "user": st.text(max_size=5) | json_values,
+    "return_token_ids": st.booleans() | json_values,
     "unknown_field": json_values,
 }
 WILD_COMPLETION = {
-    **WILD, "echo": st.booleans() | json_values, "logprobs": small_int | json_values,
-    "prompt": st.text(max_size=20) | st.lists(st.integers(-2, 300), max_size=5)
-    | st.lists(st.lists(st.integers(-2, 300), max_size=3), max_size=3) | st.lists(st.text(max_size=5), max_size=3)
-    | json_values}
+    **WILD,
+    "echo": st.booleans() | json_values,
+    "logprobs": small_int | json_values,
+    "prompt": st.text(max_size=20)
+    | st.lists(st.integers(-2, 300), max_size=5)
+    | st.lists(st.lists(st.integers(-2, 300), max_size=3), max_size=3)
+    | st.lists(st.text(max_size=5), max_size=3)
+    | json_values,
+}
 WILD_CHAT = {
-    **WILD, "messages": wild_messages, "logprobs": st.booleans() | json_values, "top_logprobs": small_int | json_values,
-    "max_completion_tokens": small_int | json_values, "add_generation_prompt": st.booleans() | json_values,
-    "chat_template_kwargs": st.dictionaries(st.sampled_from(["style", "tokenize", "x"]), json_values, max_size=2)
-    | json_values}
+    **WILD,
+    "messages": wild_messages,
+    "logprobs": st.booleans() | json_values,
+    "top_logprobs": small_int | json_values,
+    "max_completion_tokens": small_int | json_values,
+    "add_generation_prompt": st.booleans() | json_values,
+    "chat_template_kwargs": st.dictionaries(
+        st.sampled_from(["style", "tokenize", "x"]), json_values, max_size=2
+    )
+    | json_values,
+}
 
 # Plausible: right types and mostly in range, so that many requests get as far as generating.
 SANE = {
-    "model": st.just(MODEL), "n": st.integers(1, 2), "temperature": st.floats(0, 2), "top_p": st.floats(0.05, 1),
-    "top_k": st.integers(-1, 50), "min_p": st.floats(0, 0.5), "seed": st.integers(-(2**40), 2**40),
+    "model": st.just(MODEL),
+    "n": st.integers(1, 2),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.05, 1),
+    "top_k": st.integers(-1, 50),
+    "min_p": st.floats(0, 0.5),
+    "seed": st.integers(-(2**40), 2**40),
     "stop": st.text(min_size=1, max_size=3) | st.lists(st.text(max_size=3), max_size=2),
-    "stop_token_ids": st.lists(st.integers(0, 300), max_size=2), "stream": st.booleans(),
+    "stop_token_ids": st.lists(st.integers(0, 300), max_size=2),
+    "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
-    "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
-    "repetition_penalty": st.floats(0.5, 2), "min_tokens": st.integers(0, 3), "ignore_eos": st.booleans(),
-    "skip_special_tokens": st.booleans(), "max_tokens": st.integers(1, 4), "return_token_ids": st.booleans(),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.5, 2),
+    "min_tokens": st.integers(0, 3),
+    "ignore_eos": st.booleans(),
+    "skip_special_tokens": st.booleans(),
+    "max_tokens": st.integers(1, 4),
+    "return_token_ids": st.booleans(),
 }
 SANE_COMPLETION = {**SANE, "echo": st.booleans(), "logprobs": st.integers(0, 3)}
-SANE_CHAT = {**SANE, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 3),
-             "max_completion_tokens": st.integers(1, 4), "add_generation_prompt": st.booleans()}
+SANE_CHAT = {
+    **SANE,
+    "logprobs": st.booleans(),
+    "top_logprobs": st.integers(0, 3),
+    "max_completion_tokens": st.integers(1, 4),
+    "add_generation_prompt": st.booleans(),
+}
 
 
 def _body(required: dict, sane: dict, wild: dict):
@@ -358,18 +499,40 @@ def _body(required: dict, sane: dict, wild: dict):
     plausible = st.fixed_dictionaries(required, optional=sane)
     keys = sorted(wild)
     one_wild = st.tuples(plausible, st.sampled_from(keys).flatmap(lambda k: st.tuples(st.just(k), wild[k])))
-    return (plausible | one_wild.map(lambda pair: {**pair[0], pair[1][0]: pair[1][1]})
-            | st.fixed_dictionaries({}, optional=wild))
+    return (
+        plausible
+        | one_wild.map(lambda pair: {**pair[0], pair[1][0]: pair[1][1]})
+        | st.fixed_dictionaries({}, optional=wild)
+    )
 
 
 ROUTES = {
-    "/v1/completions": _body({"prompt": st.text(max_size=20) | st.lists(st.integers(0, 300), min_size=1, max_size=5)
-                              | st.lists(st.text(min_size=1, max_size=5), min_size=1, max_size=2)},
-                             SANE_COMPLETION, WILD_COMPLETION),
-    "/v1/chat/completions": _body({"messages": _messages(st.sampled_from(["user", "system", "assistant"]),
-                                                         st.text(max_size=20)).filter(bool)}, SANE_CHAT, WILD_CHAT),
-    "/tokenize": st.fixed_dictionaries({}, optional={"prompt": st.text(max_size=10) | json_values,
-                                                     "messages": wild_messages, "add_special_tokens": json_values}),
+    "/v1/completions": _body(
+        {
+            "prompt": st.text(max_size=20)
+            | st.lists(st.integers(0, 300), min_size=1, max_size=5)
+            | st.lists(st.text(min_size=1, max_size=5), min_size=1, max_size=2)
+        },
+        SANE_COMPLETION,
+        WILD_COMPLETION,
+    ),
+    "/v1/chat/completions": _body(
+        {
+            "messages": _messages(
+                st.sampled_from(["user", "system", "assistant"]), st.text(max_size=20)
+            ).filter(bool)
+        },
+        SANE_CHAT,
+        WILD_CHAT,
+    ),
+    "/tokenize": st.fixed_dictionaries(
+        {},
+        optional={
+            "prompt": st.text(max_size=10) | json_values,
+            "messages": wild_messages,
+            "add_special_tokens": json_values,
+        },
+    ),
     "/detokenize": st.fixed_dictionaries({}, optional={"tokens": st.lists(small_int) | json_values}),
 }
 
@@ -399,9 +562,15 @@ def test_random_bodies_never_500(route, data):
 
 # ---- the command line: what fails fails before a model loads ------------------------------------
 
+
 def _serve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server", *args], capture_output=True, text=True, timeout=60,
-                          cwd=Path(__file__).resolve().parents[1])
+    return subprocess.run(
+        [sys.executable, "-m", "server", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[1],
+    )
 
 
 def test_serve_rejects_a_bad_engine_flag_clearly():

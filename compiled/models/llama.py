@@ -56,7 +56,9 @@ class ModelArgs:
     def from_hf_config(cls, config: Any) -> ModelArgs:
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {model_type!r}; kiln runs {', '.join(SUPPORTED_MODEL_TYPES)}")
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; kiln runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
         rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
         rope_theta = rope.pop("rope_theta", getattr(config, "rope_theta", 10000.0))
         if rope.get("rope_type", rope.get("type", "default")) == "default":
@@ -78,13 +80,17 @@ class ModelArgs:
             o_bias=bias,
             qk_norm=model_type == "qwen3",
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            sliding_window=window if (window := getattr(config, "sliding_window", None)) and (
-                model_type == "mistral" or getattr(config, "use_sliding_window", False)) else None,
+            sliding_window=window
+            if (window := getattr(config, "sliding_window", None))
+            and (model_type == "mistral" or getattr(config, "use_sliding_window", False))
+            else None,
         )
 
 
 def rope_inv_freq(args: ModelArgs) -> Tensor:
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.int64).float() / args.head_dim))
+    inv_freq = 1.0 / (
+        args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.int64).float() / args.head_dim)
+    )
     scaling = args.rope_scaling
     if not scaling:
         return inv_freq
@@ -122,7 +128,7 @@ CPU_HAS_FAST_BF16 = _cpu_has_fast_bf16()
 
 
 def cpu_matmul_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a CPU matmul of `dtype` operands runs in: float32 where this CPU has no bfloat16 arithmetic."""
+    """The dtype a CPU matmul of `dtype` operands runs in: float32 without bfloat16 arithmetic."""
     return dtype if dtype == torch.float32 or CPU_HAS_FAST_BF16 else torch.float32
 
 
@@ -158,7 +164,9 @@ class Linear(nn.Linear):
         w, b, dtype = self.weight, self.bias, x.dtype
         x = torch.ops.prims.inductor_force_stride_order(x.float(), x.stride())
         n = -(-w.shape[0] // self.row_blocks)
-        y = torch.cat([(x[:, None, :] * w[None, i : i + n].float()).sum(-1) for i in range(0, w.shape[0], n)], -1)
+        y = torch.cat(
+            [(x[:, None, :] * w[None, i : i + n].float()).sum(-1) for i in range(0, w.shape[0], n)], -1
+        )
         y = y.to(dtype)
         return y if b is None else y + b
 
@@ -242,8 +250,13 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
         self.packed_output: Tensor | None = None  # see pack_output
 
-    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
-                block: Callable[..., Tensor] | None = None) -> Tensor:
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        meta: AttentionMetadata,
+        block: Callable[..., Tensor] | None = None,
+    ) -> Tensor:
         """Hidden states of every token of a packed step: input_ids and positions are [T].
 
         `block(layer, h, cos, sin, meta)`, when given, runs each layer in place of `layer(h, cos, sin, meta)`.
@@ -259,7 +272,9 @@ class Transformer(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """Logits of the sampled rows: at most one per sequence, a decode batch's worth."""
         if self.packed_output is not None and hidden.shape[0] > 1:
-            return torch.ops.mkldnn._linear_pointwise(hidden.float(), self.packed_output, None, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(
+                hidden.float(), self.packed_output, None, "none", [], ""
+            )
         return self.output(hidden, weight_left=True).float()
 
     def pack_output(self) -> None:
@@ -268,7 +283,11 @@ class Transformer(nn.Module):
         arithmetic the matmuls run in float32 anyway, and it spares converting the weight every step.
         One row keeps the compiled matrix-vector reduction, faster still."""
         w = self.output.weight
-        if w.device.type == "cpu" and torch.backends.mkldnn.is_available() and cpu_matmul_dtype(w.dtype) == torch.float32:
+        if (
+            w.device.type == "cpu"
+            and torch.backends.mkldnn.is_available()
+            and cpu_matmul_dtype(w.dtype) == torch.float32
+        ):
             # The row-count hint hardly matters: packed for 8, 32 or 64 rows, every count ran alike.
             self.packed_output = torch.ops.mkldnn._reorder_linear_weight(w.detach().float(), 64)
 
@@ -281,7 +300,10 @@ class Transformer(nn.Module):
             elif isinstance(module, Attention):
                 module.decode_attention = decode_attention_reduction
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
+    def allocate_kv_cache(
+        self, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype
+    ) -> None:
         for layer in self.layers:
             layer.attention.k_cache, layer.attention.v_cache = new_kv_cache(
-                num_blocks, block_size, self.args.n_kv_heads, self.args.head_dim, device, dtype)
+                num_blocks, block_size, self.args.n_kv_heads, self.args.head_dim, device, dtype
+            )

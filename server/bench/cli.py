@@ -25,36 +25,68 @@ def run(args: argparse.Namespace) -> int:
         from server.bench import runner as bench
 
         batches = tuple(int(b) for b in args.batches.split(","))
-        result = bench.run(args.model, args.dtype, batches, args.context, args.steps, args.prefill_len,
-                           compare=not args.no_compare, num_threads=args.num_threads)
+        result = bench.run(
+            args.model,
+            args.dtype,
+            batches,
+            args.context,
+            args.steps,
+            args.prefill_len,
+            compare=not args.no_compare,
+            num_threads=args.num_threads,
+        )
         print(bench.format_report(result))
     elif args.bench == "gpu-check":
         from server.bench import gpu_check
 
-        result = gpu_check.run(args.model, args.dtype, args.device, args.max_num_seqs, args.context, args.steps)
+        result = gpu_check.run(
+            args.model, args.dtype, args.device, args.max_num_seqs, args.context, args.steps
+        )
         print(gpu_check.format_report(result))
     elif args.bench == "throughput":
         from server.bench import throughput as bench_throughput
 
-        result = bench_throughput.run(args.model, engine_args(args), args.num_prompts, args.input_len_min,
-                                      args.input_len_max, args.output_len, args.dataset, args.seed, bool(args.compare),
-                                      args.hf_continuous)
+        result = bench_throughput.run(
+            args.model,
+            engine_args(args),
+            args.num_prompts,
+            args.input_len_min,
+            args.input_len_max,
+            args.output_len,
+            args.dataset,
+            args.seed,
+            bool(args.compare),
+            args.hf_continuous,
+        )
         print(bench_throughput.format_report(result))
     elif args.bench == "latency":
         from server.bench import latency as bench_latency
 
         lens = tuple(int(n) for n in args.input_lens.split(","))
-        result = bench_latency.run(args.model, engine_args(args), lens, args.output_len, args.iters, args.seed,
-                                   bool(args.compare))
+        result = bench_latency.run(
+            args.model, engine_args(args), lens, args.output_len, args.iters, args.seed, bool(args.compare)
+        )
         print(bench_latency.format_report(result))
     elif args.bench == "serve":
         from server.bench import serve as bench_serve
 
         def serve_run(base_url: str) -> dict:
-            return bench_serve.run(base_url, args.model, args.endpoint, args.num_prompts, args.input_len_min,
-                                   args.input_len_max, args.output_len, args.dataset,
-                                   args.tokenizer or args.launch or None, args.request_rate, args.max_concurrency,
-                                   args.seed, args.api_key, args.ignore_eos)
+            return bench_serve.run(
+                base_url,
+                args.model,
+                args.endpoint,
+                args.num_prompts,
+                args.input_len_min,
+                args.input_len_max,
+                args.output_len,
+                args.dataset,
+                args.tokenizer or args.launch or None,
+                args.request_rate,
+                args.max_concurrency,
+                args.seed,
+                args.api_key,
+                args.ignore_eos,
+            )
 
         if args.launch is None:
             result = serve_run(args.base_url)
@@ -70,7 +102,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    bench = argparse.ArgumentParser(prog="kiln bench", description="benchmarks (numbers to record in BENCHMARKS.md)")
+    bench = argparse.ArgumentParser(
+        prog="kiln bench", description="benchmarks (numbers to record in BENCHMARKS.md)"
+    )
     kinds = bench.add_subparsers(dest="bench", required=True)
     sched = kinds.add_parser("scheduler", help="schedule + update cost per step with a fake runner")
     sched.add_argument("--num-requests", type=int, default=256)
@@ -87,54 +121,98 @@ def parser() -> argparse.ArgumentParser:
     startup = kinds.add_parser("startup", help="process start to first token, cold and warm compile cache")
     startup.add_argument("--model", default=None)
     startup.add_argument("--dtype", default="auto")
-    startup.add_argument("--engine-arg", action="append", default=[],
-                         help="extra `kiln generate` flag, e.g. --engine-arg=--max-num-seqs=16")
-    gpu = kinds.add_parser("gpu-check", help="on CUDA: greedy exactness, CUDA graphs per decode bucket, "
-                                             "compiled vs eager decode tok/s per bucket")
+    startup.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        help="extra `kiln generate` flag, e.g. --engine-arg=--max-num-seqs=16",
+    )
+    gpu = kinds.add_parser(
+        "gpu-check",
+        help="on CUDA: greedy exactness, CUDA graphs per decode bucket, "
+        "compiled vs eager decode tok/s per bucket",
+    )
     gpu.add_argument("--model", default=None)
     gpu.add_argument("--dtype", default="float32")
     gpu.add_argument("--device", default="cuda", help="cuda, or cpu to run it without CUDA graphs")
     gpu.add_argument("--max-num-seqs", type=int, default=64)
     gpu.add_argument("--context", type=int, default=512)
     gpu.add_argument("--steps", type=int, default=8)
-    throughput = kinds.add_parser("throughput", help="offline batch through LLM.generate: requests/s and tokens/s")
-    latency = kinds.add_parser("latency", help="batch 1: time to first token and decode tok/s against the roofline")
-    serve = kinds.add_parser("serve", help="load an OpenAI-compatible server: TTFT, TPOT, ITL, E2E and throughput")
+    throughput = kinds.add_parser(
+        "throughput", help="offline batch through LLM.generate: requests/s and tokens/s"
+    )
+    latency = kinds.add_parser(
+        "latency", help="batch 1: time to first token and decode tok/s against the roofline"
+    )
+    serve = kinds.add_parser(
+        "serve", help="load an OpenAI-compatible server: TTFT, TPOT, ITL, E2E and throughput"
+    )
     for p in (throughput, latency):
-        p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2)")
+        p.add_argument(
+            "--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2)"
+        )
         p.add_argument("--output-len", type=int, default=128)
-        p.add_argument("--compare", choices=["transformers"], default=None,
-                       help="also run transformers on the same prompts, weights, dtype and device")
+        p.add_argument(
+            "--compare",
+            choices=["transformers"],
+            default=None,
+            help="also run transformers on the same prompts, weights, dtype and device",
+        )
         add_engine_args(p)
-    throughput.add_argument("--no-continuous-batching-baseline", dest="hf_continuous", action="store_false",
-                            help="with --compare: only transformers' static batches (its continuous batching takes "
-                                 "tens of minutes on a small CPU)")
+    throughput.add_argument(
+        "--no-continuous-batching-baseline",
+        dest="hf_continuous",
+        action="store_false",
+        help="with --compare: only transformers' static batches (its continuous batching takes "
+        "tens of minutes on a small CPU)",
+    )
     for p in (throughput, serve):
         p.add_argument("--input-len-min", type=int, default=32, help="random prompts: shortest, in tokens")
         p.add_argument("--input-len-max", type=int, default=512, help="random prompts: longest, in tokens")
-        p.add_argument("--dataset", default=None, help="JSONL file whose lines have a 'prompt' field, instead")
+        p.add_argument(
+            "--dataset", default=None, help="JSONL file whose lines have a 'prompt' field, instead"
+        )
     for p in (throughput, latency, serve):
-        p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (and of serve's arrivals)")
+        p.add_argument(
+            "--seed", type=int, default=0, help="seed of the random prompts (and of serve's arrivals)"
+        )
     throughput.add_argument("--num-prompts", type=int, default=256)
-    latency.add_argument("--input-lens", default="128,512,2048", help="prompt lengths, capped by max_model_len")
+    latency.add_argument(
+        "--input-lens", default="128,512,2048", help="prompt lengths, capped by max_model_len"
+    )
     latency.add_argument("--iters", type=int, default=3, help="timed requests per length, after one warm-up")
     serve.add_argument("--base-url", default="http://127.0.0.1:8000")
     serve.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
     serve.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     serve.add_argument("--num-prompts", type=int, default=64)
     serve.add_argument("--output-len", type=int, default=128)
-    serve.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second, or inf")
+    serve.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second, or inf"
+    )
     serve.add_argument("--max-concurrency", type=int, default=16)
-    serve.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                       help="ask for exactly --output-len tokens (an extension; --no-ignore-eos for servers without it, "
-                            "e.g. transformers serve)")
-    serve.add_argument("--tokenizer", default=None,
-                       help="model directory or .gguf whose tokenizer makes the random prompts (default: the launched "
-                            "model, else the embedded SmolLM2)")
+    serve.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ask for exactly --output-len tokens (an extension; --no-ignore-eos for servers without it, "
+        "e.g. transformers serve)",
+    )
+    serve.add_argument(
+        "--tokenizer",
+        default=None,
+        help="model directory or .gguf whose tokenizer makes the random prompts (default: the launched "
+        "model, else the embedded SmolLM2)",
+    )
     serve.add_argument("--api-key", default=os.environ.get("KILN_API_KEY") or None)
-    serve.add_argument("--launch", nargs="?", const="", default=None, metavar="MODEL",
-                       help="start `kiln serve MODEL` (default model if none) on a free port with the engine flags "
-                            "below, run against it, then stop it")
+    serve.add_argument(
+        "--launch",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="MODEL",
+        help="start `kiln serve MODEL` (default model if none) on a free port with the engine flags "
+        "below, run against it, then stop it",
+    )
     add_engine_args(serve)
     for p in (sched, runner, startup, gpu, throughput, latency, serve):
         p.add_argument("--json", default=None, help="also write the results to this file")
@@ -144,7 +222,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     p = parser()
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s", datefmt="%H:%M:%S"
+    )
     try:
         return run(args)
     except KeyboardInterrupt:
@@ -152,5 +232,3 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         p.error(str(e))
         return 2
-
-

@@ -42,13 +42,29 @@ class RunnerDriver:
         self.runner, self.chunk, self.next_block = runner, chunk, 1
         self.reqs: dict[str, dict] = {}
 
-    def add(self, rid: str, prompt: list[int], params: SamplingParams | None = None, seed: int = 0,
-            computed: int = 0) -> None:
-        self.reqs[rid] = dict(tokens=list(prompt), n_prompt=len(prompt), computed=computed, blocks=[], new=True,
-                              params=params or GREEDY, seed=seed, out=[])
+    def add(
+        self,
+        rid: str,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        seed: int = 0,
+        computed: int = 0,
+    ) -> None:
+        self.reqs[rid] = dict(
+            tokens=list(prompt),
+            n_prompt=len(prompt),
+            computed=computed,
+            blocks=[],
+            new=True,
+            params=params or GREEDY,
+            seed=seed,
+            out=[],
+        )
 
     def _ensure_blocks(self, r: dict, upto: int) -> list[int]:
-        new = list(range(self.next_block, self.next_block + cdiv(upto, self.runner.block_size) - len(r["blocks"])))
+        new = list(
+            range(self.next_block, self.next_block + cdiv(upto, self.runner.block_size) - len(r["blocks"]))
+        )
         r["blocks"] += new
         self.next_block += len(new)
         return new
@@ -60,8 +76,17 @@ class RunnerDriver:
             n = min(len(r["tokens"]) - r["computed"], self.chunk)
             new_blocks = self._ensure_blocks(r, r["computed"] + n)
             if r["new"]:
-                so.new_reqs.append(NewRequestData(rid, list(r["tokens"]), r["n_prompt"], r["params"],
-                                                  list(r["blocks"]), r["computed"], r["seed"]))
+                so.new_reqs.append(
+                    NewRequestData(
+                        rid,
+                        list(r["tokens"]),
+                        r["n_prompt"],
+                        r["params"],
+                        list(r["blocks"]),
+                        r["computed"],
+                        r["seed"],
+                    )
+                )
                 r["new"] = False
             else:
                 so.cached_reqs.append(CachedRequestData(rid, new_blocks, r["computed"]))
@@ -113,12 +138,23 @@ class RunnerDriver:
 
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:
     """Up to nine chat-templated questions of different lengths, as token ids."""
-    questions = ["What is the capital of France?", "Write a haiku about autumn.", "Explain gravity to a child.",
-                 "List three prime numbers.", "Why is the sky blue? Answer in detail, please.", "Hi!",
-                 "Translate 'good morning' into Spanish and German.", "What is 17 times 23?",
-                 "Tell me a short story about a dragon who learns to bake bread in a small village."]
-    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=False) for q in questions[:n]]
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about autumn.",
+        "Explain gravity to a child.",
+        "List three prime numbers.",
+        "Why is the sky blue? Answer in detail, please.",
+        "Hi!",
+        "Translate 'good morning' into Spanish and German.",
+        "What is 17 times 23?",
+        "Tell me a short story about a dragon who learns to bake bread in a small village.",
+    ]
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for q in questions[:n]
+    ]
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -135,8 +171,14 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def greedy_mismatches(runner: ModelRunner, hf_model, prompts: list[list[int]], batch_tokens: int = 24,
-                      tail_tokens: int = 64, chunk: int = 24) -> list[str]:
+def greedy_mismatches(
+    runner: ModelRunner,
+    hf_model,
+    prompts: list[list[int]],
+    batch_tokens: int = 24,
+    tail_tokens: int = 64,
+    chunk: int = 24,
+) -> list[str]:
     """Generate greedily for all prompts together (longer prompts prefill in chunks beside running decodes),
     then continue prompt 0 alone (decode at batch 1), and compare each with transformers token by token.
     Returns what diverged; empty when everything is token-exact."""
@@ -151,6 +193,9 @@ def greedy_mismatches(runner: ModelRunner, hf_model, prompts: list[list[int]], b
     bad = []
     if tail != hf_greedy(hf_model, prompts[0], tail_tokens):
         bad.append("prompt 0 (batch 1 tail)")
-    bad += [f"prompt {i}" for i, p in enumerate(prompts[1:], start=1)
-            if ours[str(i)] != hf_greedy(hf_model, p, batch_tokens)]
+    bad += [
+        f"prompt {i}"
+        for i, p in enumerate(prompts[1:], start=1)
+        if ours[str(i)] != hf_greedy(hf_model, p, batch_tokens)
+    ]
     return bad

@@ -27,9 +27,14 @@ from server.bench.throughput import load_transformers, use_engine_threads
 def _summary(runs: list[tuple[float, float]]) -> dict:
     ttft = [t * 1e3 for t, _ in runs]
     decode = [d for _, d in runs]
-    return {"ttft_ms": ttft, "decode_tok_s": decode,
-            "ttft_ms_mean": statistics.mean(ttft), "ttft_ms_median": statistics.median(ttft),
-            "decode_tok_s_mean": statistics.mean(decode), "decode_tok_s_median": statistics.median(decode)}
+    return {
+        "ttft_ms": ttft,
+        "decode_tok_s": decode,
+        "ttft_ms_mean": statistics.mean(ttft),
+        "ttft_ms_median": statistics.median(ttft),
+        "decode_tok_s_mean": statistics.mean(decode),
+        "decode_tok_s_median": statistics.median(decode),
+    }
 
 
 def weight_bytes(model_dir: str, dtype: str) -> int:
@@ -80,8 +85,15 @@ def transformers_request(model, prompt: list[int], output_len: int, pad_id: int)
     clock, ids = Clock(), torch.tensor([prompt], device=model.device)
     start = time.perf_counter()
     with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, streamer=clock,
-                       max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=pad_id)
+        model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            streamer=clock,
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            pad_token_id=pad_id,
+        )
     t = clock.times
     return t[0] - start, (len(t) - 1) / (t[-1] - t[0])
 
@@ -111,8 +123,15 @@ async def bench(llm, hf, prompts: dict[int, list[list[int]]], output_len: int, t
     return result
 
 
-def run(model: str | None, engine_args: dict, input_lens: tuple[int, ...] = (128, 512, 2048), output_len: int = 128,
-        iters: int = 3, seed: int = 0, compare: bool = False) -> dict:
+def run(
+    model: str | None,
+    engine_args: dict,
+    input_lens: tuple[int, ...] = (128, 512, 2048),
+    output_len: int = 128,
+    iters: int = 3,
+    seed: int = 0,
+    compare: bool = False,
+) -> dict:
     """kiln TTFT and decode rate per prompt length, the roofline, and (with `compare`) transformers."""
     import torch
 
@@ -121,7 +140,9 @@ def run(model: str | None, engine_args: dict, input_lens: tuple[int, ...] = (128
     from server.bench.runner import copy_bandwidth
 
     if output_len < 2 or iters < 1:
-        raise ValueError("latency needs --output-len of at least 2 (one decode step) and --iters of at least 1")
+        raise ValueError(
+            "latency needs --output-len of at least 2 (one decode step) and --iters of at least 1"
+        )
     # The bandwidth drifts on a shared machine: measure it just before and just after the requests.
     device = str(resolve_device(engine_args.get("device", "auto")))
     use_engine_threads(device, engine_args.get("num_threads"))
@@ -129,15 +150,26 @@ def run(model: str | None, engine_args: dict, input_lens: tuple[int, ...] = (128
     llm = AsyncLLM(model, **engine_args)
     try:
         if llm.max_model_len <= output_len:
-            raise ValueError(f"output_len {output_len} leaves no room for a prompt in max_model_len {llm.max_model_len}")
+            raise ValueError(
+                f"output_len {output_len} leaves no room for a prompt in max_model_len {llm.max_model_len}"
+            )
         lens = sorted({min(n, llm.max_model_len - output_len) for n in input_lens})
         prompts = {n: token_prompts(llm.tokenizer, iters + 1, n, n, seed + n) for n in lens}
         ready, model_dir, threads = llm.client.ready, llm.model_dir, llm.config.num_threads
         hf = load_transformers(model_dir, ready.dtype, ready.device, threads) if compare else None
         torch.set_num_threads(1)  # the engine core owns the cores while kiln runs
-        out: dict = {"config": {"model": model_dir, "dtype": ready.dtype, "device": ready.device, "input_lens": lens,
-                                "output_len": output_len, "iters": iters, "seed": seed},
-                     **asyncio.run(bench(llm, hf, prompts, output_len, threads))}
+        out: dict = {
+            "config": {
+                "model": model_dir,
+                "dtype": ready.dtype,
+                "device": ready.device,
+                "input_lens": lens,
+                "output_len": output_len,
+                "iters": iters,
+                "seed": seed,
+            },
+            **asyncio.run(bench(llm, hf, prompts, output_len, threads)),
+        }
     finally:
         llm.shutdown()
     use_engine_threads(ready.device, threads)
@@ -151,22 +183,30 @@ def run(model: str | None, engine_args: dict, input_lens: tuple[int, ...] = (128
 
 def format_report(r: dict) -> str:
     c, roof = r["config"], r["roofline_tok_s"]
-    rows = [f"latency: batch 1, {c['output_len']} output tokens, {c['iters']} timed requests per prompt length "
-            f"(after one warm-up); {c['model']} {c['dtype']} on {c['device']}",
-            f"copy bandwidth {r['copy_bandwidth_GBps']:.1f} GB/s (mean of {' and '.join(f'{x:.1f}' for x in r['copy_bandwidth_GBps_before_after'])}"
-            f" just before and after the requests), weights {r['weight_bytes'] / 2**30:.2f} GiB "
-            f"-> decode roofline {roof:.1f} tok/s",
-            "| prompt tokens | engine | TTFT ms mean | TTFT ms median | decode tok/s mean | decode tok/s median "
-            "| % of roofline |", "|---|---|---|---|---|---|---|"]
+    rows = [
+        f"latency: batch 1, {c['output_len']} output tokens, {c['iters']} timed requests per prompt length "
+        f"(after one warm-up); {c['model']} {c['dtype']} on {c['device']}",
+        f"copy bandwidth {r['copy_bandwidth_GBps']:.1f} GB/s (mean of "
+        f"{' and '.join(f'{x:.1f}' for x in r['copy_bandwidth_GBps_before_after'])}"
+        f" just before and after the requests), weights {r['weight_bytes'] / 2**30:.2f} GiB "
+        f"-> decode roofline {roof:.1f} tok/s",
+        "| prompt tokens | engine | TTFT ms mean | TTFT ms median | decode tok/s mean | decode tok/s median "
+        "| % of roofline |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for n in c["input_lens"]:
         for engine in ("kiln", "transformers"):
             if engine in r:
                 d = r[engine][n]
-                rows.append(f"| {n} | {engine} | {d['ttft_ms_mean']:.1f} | {d['ttft_ms_median']:.1f} "
-                            f"| {d['decode_tok_s_mean']:.1f} | {d['decode_tok_s_median']:.1f} "
-                            f"| {100 * d['decode_tok_s_median'] / roof:.0f}% |")
+                rows.append(
+                    f"| {n} | {engine} | {d['ttft_ms_mean']:.1f} | {d['ttft_ms_median']:.1f} "
+                    f"| {d['decode_tok_s_mean']:.1f} | {d['decode_tok_s_median']:.1f} "
+                    f"| {100 * d['decode_tok_s_median'] / roof:.0f}% |"
+                )
         if "transformers" in r:
             k, t = r["kiln"][n], r["transformers"][n]
-            rows.append(f"| {n} | kiln speedup | | {t['ttft_ms_median'] / k['ttft_ms_median']:.2f}x | "
-                        f"| {k['decode_tok_s_median'] / t['decode_tok_s_median']:.2f}x | |")
+            rows.append(
+                f"| {n} | kiln speedup | | {t['ttft_ms_median'] / k['ttft_ms_median']:.2f}x | "
+                f"| {k['decode_tok_s_median'] / t['decode_tok_s_median']:.2f}x | |"
+            )
     return "\n".join(rows)

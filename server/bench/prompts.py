@@ -11,21 +11,56 @@ from __future__ import annotations
 import json
 import random
 
-SUBJECTS = ["The old potter", "A young apprentice", "The miller's daughter", "Her neighbour", "The village priest",
-            "A travelling merchant", "The blacksmith", "Two children from the farm", "The ferryman",
-            "An elderly widow", "The schoolmaster", "A stranger from the coast"]
-ACTIONS = ["carried wet clay up from the river", "stacked the kiln with pale green bowls", "mended the cracked chimney",
-           "counted the silver from the market", "copied the glaze recipes into a worn notebook",
-           "split logs for the firebox", "watched the glaze run down the jar like honey",
-           "sold a tall blue jar to a merchant", "swept the ash from the yard", "wrapped the best pieces in straw",
-           "patched the walls where the frost had split the mortar", "listened to the owl in the orchard"]
-TIMES = ["before dawn", "at the edge of the village", "while the mist still lay over the water",
-         "in the long winter evenings", "on the morning of the fair", "after the spring floods",
-         "by the light of the firebox", "beneath the old walnut tree", "when the harvest was in",
-         "long after the others had gone to bed"]
-CLAUSES = ["and nobody thought it strange", "because the weather was turning", "although the roads were still muddy",
-           "as her grandfather had done before her", "and the work went slowly", "while the dog slept by the door",
-           "though no one had asked", "and the evening grew cold"]
+SUBJECTS = [
+    "The old potter",
+    "A young apprentice",
+    "The miller's daughter",
+    "Her neighbour",
+    "The village priest",
+    "A travelling merchant",
+    "The blacksmith",
+    "Two children from the farm",
+    "The ferryman",
+    "An elderly widow",
+    "The schoolmaster",
+    "A stranger from the coast",
+]
+ACTIONS = [
+    "carried wet clay up from the river",
+    "stacked the kiln with pale green bowls",
+    "mended the cracked chimney",
+    "counted the silver from the market",
+    "copied the glaze recipes into a worn notebook",
+    "split logs for the firebox",
+    "watched the glaze run down the jar like honey",
+    "sold a tall blue jar to a merchant",
+    "swept the ash from the yard",
+    "wrapped the best pieces in straw",
+    "patched the walls where the frost had split the mortar",
+    "listened to the owl in the orchard",
+]
+TIMES = [
+    "before dawn",
+    "at the edge of the village",
+    "while the mist still lay over the water",
+    "in the long winter evenings",
+    "on the morning of the fair",
+    "after the spring floods",
+    "by the light of the firebox",
+    "beneath the old walnut tree",
+    "when the harvest was in",
+    "long after the others had gone to bed",
+]
+CLAUSES = [
+    "and nobody thought it strange",
+    "because the weather was turning",
+    "although the roads were still muddy",
+    "as her grandfather had done before her",
+    "and the work went slowly",
+    "while the dog slept by the door",
+    "though no one had asked",
+    "and the evening grew cold",
+]
 
 
 def english_text(num_sentences: int, seed: int = 0) -> str:
@@ -39,7 +74,7 @@ def english_text(num_sentences: int, seed: int = 0) -> str:
     paragraphs, i = [], 0
     while i < num_sentences:
         n = rng.randint(3, 7)
-        paragraphs.append(" ".join(sentences[i:i + n]))
+        paragraphs.append(" ".join(sentences[i : i + n]))
         i += n
     return "\n\n".join(paragraphs)
 
@@ -53,7 +88,7 @@ def token_prompts(tokenizer, num: int, min_len: int, max_len: int, seed: int = 0
     ids = tokenizer.encode(english_text(max_len // 4 + 64, seed), add_special_tokens=False)
     lengths = [rng.randint(min_len, max_len) for _ in range(num)]
     starts = [rng.randrange(len(ids) - n + 1) for n in lengths]
-    return [ids[s:s + n] for s, n in zip(starts, lengths)]
+    return [ids[s : s + n] for s, n in zip(starts, lengths)]
 
 
 def dataset_prompts(path: str, num: int) -> list[str]:

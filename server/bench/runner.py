@@ -20,7 +20,7 @@ from server.bench.driver import RunnerDriver, build_runner, model_dir
 
 
 class Copy:
-    """A large tensor copy on `device`, the memory roofline's yardstick: `moved` bytes (read + write) per run."""
+    """A large tensor copy on `device`, the memory roofline's yardstick: `moved` bytes read + written."""
 
     def __init__(self, nbytes: int = 256 << 20, device: str | torch.device = "cpu") -> None:
         self.src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
@@ -66,8 +66,12 @@ class KilnEngine:
 
     def start(self, batch: int, context: int) -> None:
         for i in range(batch):
-            self.driver.add(f"b{batch}-{i}", torch.randint(0, self.runner.vocab_size, (context,)).tolist(), seed=i,
-                            computed=context - 1)
+            self.driver.add(
+                f"b{batch}-{i}",
+                torch.randint(0, self.runner.vocab_size, (context,)).tolist(),
+                seed=i,
+                computed=context - 1,
+            )
         self.driver.step()
 
     def step(self) -> None:
@@ -96,7 +100,9 @@ class TransformersEngine:
 
         self.cache = DynamicCache()
         with torch.no_grad():  # generate asks for the last position's logits only
-            logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits
+            logits = self.model(
+                input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1
+            ).logits
         self.token = logits.argmax(-1)
 
     def start(self, batch: int, context: int) -> None:
@@ -104,7 +110,9 @@ class TransformersEngine:
 
     def step(self) -> None:
         with torch.no_grad():
-            self.token = self.model(input_ids=self.token, past_key_values=self.cache, use_cache=True).logits.argmax(-1)
+            self.token = self.model(
+                input_ids=self.token, past_key_values=self.cache, use_cache=True
+            ).logits.argmax(-1)
 
     def finish(self) -> None:
         self.cache = self.token = None
@@ -133,8 +141,15 @@ def _turn_order(engines: dict, round_index: int) -> list[str]:
     return names if round_index % 2 == 0 else names[::-1]
 
 
-def measure(engines: dict, batches: list[int], context: int, steps: int, copy: Copy | None = None,
-            roofline_engine: str | None = None, rounds: int = 2) -> dict[str, dict]:
+def measure(
+    engines: dict,
+    batches: list[int],
+    context: int,
+    steps: int,
+    copy: Copy | None = None,
+    roofline_engine: str | None = None,
+    rounds: int = 2,
+) -> dict[str, dict]:
     """Decode tokens/s per batch size at `context` and prefill tokens/s of each engine, measured in turns:
     each engine's `steps` timed steps come in `rounds` blocks, alternating with the other engines' blocks,
     so that every engine meets the same moments of a machine whose speed drifts by a third in minutes.
@@ -161,7 +176,9 @@ def measure(engines: dict, batches: list[int], context: int, steps: int, copy: C
                 runner = engine.runner
                 engine.step()  # the first step after a switch runs slow
                 pairs = [(_timed(engine.step), copy.seconds()) for _ in range(steps)]
-                out[name]["batch1_roofline"] = statistics.median(runner.weight_bytes * c / (copy.moved * t) for t, c in pairs)
+                out[name]["batch1_roofline"] = statistics.median(
+                    runner.weight_bytes * c / (copy.moved * t) for t, c in pairs
+                )
                 out[name]["paired_copy_GBps"] = statistics.median(copy.moved / c for _, c in pairs) / 1e9
             engine.finish()
     elapsed = dict.fromkeys(engines, 0.0)
@@ -175,17 +192,38 @@ def measure(engines: dict, batches: list[int], context: int, steps: int, copy: C
     return out
 
 
-def run(model: str | None = None, dtype: str = "float32", batches: tuple[int, ...] = (1, 8, 32, 64),
-        context: int = 512, steps: int = 8, prefill_len: int = 512, compare: bool = True,
-        num_threads: int | None = None) -> dict:
+def run(
+    model: str | None = None,
+    dtype: str = "float32",
+    batches: tuple[int, ...] = (1, 8, 32, 64),
+    context: int = 512,
+    steps: int = 8,
+    prefill_len: int = 512,
+    compare: bool = True,
+    num_threads: int | None = None,
+) -> dict:
     """Compiled vs eager kiln vs transformers, plus the memory roofline, measured in one run."""
     from compiled.loader import resolve_dtype
 
     path = model_dir(model)
-    common = dict(model=path, dtype=dtype, max_num_seqs=max(batches), num_threads=num_threads,
-                  max_model_len=max(context + 64, prefill_len + 1))
-    out: dict = {"config": {"model": path, "dtype": dtype, "batches": list(batches), "context": context,
-                            "steps": steps, "prefill_len": prefill_len, "threads": num_threads or torch.get_num_threads()}}
+    common = dict(
+        model=path,
+        dtype=dtype,
+        max_num_seqs=max(batches),
+        num_threads=num_threads,
+        max_model_len=max(context + 64, prefill_len + 1),
+    )
+    out: dict = {
+        "config": {
+            "model": path,
+            "dtype": dtype,
+            "batches": list(batches),
+            "context": context,
+            "steps": steps,
+            "prefill_len": prefill_len,
+            "threads": num_threads or torch.get_num_threads(),
+        }
+    }
     copy = Copy()
     engines, batch = {}, max(batches)
     engines["kiln_compiled"], compiled_warmup = kiln_engine(dict(common), batch, context, prefill_len)
@@ -206,22 +244,34 @@ def run(model: str | None = None, dtype: str = "float32", batches: tuple[int, ..
 
 
 def format_report(r: dict) -> str:
-    rows = [f"runner benchmark: {r['config']}",
-            f"copy bandwidth {r['copy_bandwidth_GBps']:.1f} GB/s -> batch-1 roofline {r['roofline_tok_s']:.1f} tok/s",
-            "| decode tok/s | " + " | ".join(f"batch {b}" for b in r["config"]["batches"]) + " | prefill tok/s |",
-            "|---|" + "---|" * (len(r["config"]["batches"]) + 1)]
+    rows = [
+        f"runner benchmark: {r['config']}",
+        f"copy bandwidth {r['copy_bandwidth_GBps']:.1f} GB/s -> "
+        f"batch-1 roofline {r['roofline_tok_s']:.1f} tok/s",
+        "| decode tok/s | " + " | ".join(f"batch {b}" for b in r["config"]["batches"]) + " | prefill tok/s |",
+        "|---|" + "---|" * (len(r["config"]["batches"]) + 1),
+    ]
     engines = [k for k in ("kiln_compiled", "kiln_eager", "transformers") if k in r]
     for k in engines:
         d = r[k]["decode_tok_s"]
-        rows.append(f"| {k} | " + " | ".join(f"{d[b]:.1f}" for b in r["config"]["batches"]) + f" | {r[k]['prefill_tok_s']:.0f} |")
+        rows.append(
+            f"| {k} | "
+            + " | ".join(f"{d[b]:.1f}" for b in r["config"]["batches"])
+            + f" | {r[k]['prefill_tok_s']:.0f} |"
+        )
     base = "transformers" if "transformers" in r else "kiln_eager"
     d, ref = r["kiln_compiled"]["decode_tok_s"], r[base]["decode_tok_s"]
-    rows.append(f"| compiled / {base} | " + " | ".join(f"{d[b] / ref[b]:.2f}x" for b in r["config"]["batches"])
-                + f" | {r['kiln_compiled']['prefill_tok_s'] / r[base]['prefill_tok_s']:.2f}x |")
+    rows.append(
+        f"| compiled / {base} | "
+        + " | ".join(f"{d[b] / ref[b]:.2f}x" for b in r["config"]["batches"])
+        + f" | {r['kiln_compiled']['prefill_tok_s'] / r[base]['prefill_tok_s']:.2f}x |"
+    )
     if "batch1_roofline" in r["kiln_compiled"]:
         k = r["kiln_compiled"]
-        rows.append(f"batch-1 compiled decode = {100 * k['batch1_roofline']:.0f}% of roofline (median over steps, "
-                    f"each paired with a copy: {k['paired_copy_GBps']:.1f} GB/s); "
-                    f"{100 * d[1] / r['roofline_tok_s']:.0f}% against the best copy at the end of the run")
+        rows.append(
+            f"batch-1 compiled decode = {100 * k['batch1_roofline']:.0f}% of roofline (median over steps, "
+            f"each paired with a copy: {k['paired_copy_GBps']:.1f} GB/s); "
+            f"{100 * d[1] / r['roofline_tok_s']:.0f}% against the best copy at the end of the run"
+        )
     rows.append(f"compile warm-up {r['kiln_compiled']['warmup_s']:.1f} s")
     return "\n".join(rows)

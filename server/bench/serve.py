@@ -87,13 +87,27 @@ async def _request(client, path: str, payload: dict) -> dict:
     if error is None and ttft is None:
         error = "the stream carried no tokens"
     output_tokens = usage["completion_tokens"] if usage else chunks
-    return {"ok": error is None, "error": error, "ttft": ttft, "itl": itl, "e2e": e2e,
-            "tpot": (e2e - ttft) / (output_tokens - 1) if error is None and output_tokens > 1 else None,
-            "prompt_tokens": usage["prompt_tokens"] if usage else None, "output_tokens": output_tokens}
+    return {
+        "ok": error is None,
+        "error": error,
+        "ttft": ttft,
+        "itl": itl,
+        "e2e": e2e,
+        "tpot": (e2e - ttft) / (output_tokens - 1) if error is None and output_tokens > 1 else None,
+        "prompt_tokens": usage["prompt_tokens"] if usage else None,
+        "output_tokens": output_tokens,
+    }
 
 
-async def _run_requests(base_url: str, path: str, payloads: list[dict], request_rate: float, max_concurrency: int,
-                        seed: int, headers: dict) -> tuple[list[dict], float]:
+async def _run_requests(
+    base_url: str,
+    path: str,
+    payloads: list[dict],
+    request_rate: float,
+    max_concurrency: int,
+    seed: int,
+    headers: dict,
+) -> tuple[list[dict], float]:
     """Requests arrive as a Poisson process at `request_rate` per second (all at once for inf); at most
     `max_concurrency` are in flight, the others wait their turn in this client."""
     httpx = _httpx()
@@ -101,7 +115,10 @@ async def _run_requests(base_url: str, path: str, payloads: list[dict], request_
     rng = random.Random(seed)
     gate = asyncio.Semaphore(max_concurrency)
     limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, timeout=httpx.Timeout(600.0)) as c:
+    async with httpx.AsyncClient(
+        base_url=base_url, headers=headers, limits=limits, timeout=httpx.Timeout(600.0)
+    ) as c:
+
         async def one(payload: dict) -> dict:
             async with gate:
                 return await _request(c, path, payload)
@@ -122,30 +139,41 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def launch(model: str | None, serve_flags: list[str], timeout: float = 900.0, log: Path | None = None,
-           env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+def launch(
+    model: str | None,
+    serve_flags: list[str],
+    timeout: float = 900.0,
+    log: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[tuple[str, subprocess.Popen]]:
     """`kiln serve` on a free local port for the duration of the block; yields its base URL and process once
-    /health answers. Its output goes to `log` (default: a temporary file) and is quoted if it fails to start."""
+    /health answers. Its output goes to `log` (default: a temporary file), quoted if it fails to start."""
     httpx = _httpx()
     port = _free_port()
     cmd = [sys.executable, "-m", "server", *([model] if model else []), "--port", str(port), *serve_flags]
     with tempfile.TemporaryDirectory(prefix="kiln-bench-serve-") as tmp:
         log = log or Path(tmp) / "server.log"
         with open(log, "wb") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+            )
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + timeout
             while True:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"kiln serve exited with code {proc.returncode}:\n"
-                                       f"{log.read_text(errors='replace')[-3000:]}")
+                    raise RuntimeError(
+                        f"kiln serve exited with code {proc.returncode}:\n"
+                        f"{log.read_text(errors='replace')[-3000:]}"
+                    )
                 with contextlib.suppress(httpx.TransportError):
                     if httpx.get(url + "/health", timeout=2).status_code == 200:
                         break
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"kiln serve not ready after {timeout:.0f} s:\n"
-                                       f"{log.read_text(errors='replace')[-3000:]}")
+                    raise RuntimeError(
+                        f"kiln serve not ready after {timeout:.0f} s:\n"
+                        f"{log.read_text(errors='replace')[-3000:]}"
+                    )
                 time.sleep(0.5)
             yield url, proc
         finally:
@@ -164,22 +192,42 @@ def _first_model(base_url: str, headers: dict) -> str:
     return resp.json()["data"][0]["id"]
 
 
-def request_payloads(prompts: list[str], endpoint: str, model: str, output_len: int,
-                     ignore_eos: bool) -> tuple[str, list[dict]]:
+def request_payloads(
+    prompts: list[str], endpoint: str, model: str, output_len: int, ignore_eos: bool
+) -> tuple[str, list[dict]]:
     """The path and the streamed, greedy request bodies for `prompts`."""
-    common = {"model": model, "max_tokens": output_len, "temperature": 0.0, "stream": True,
-              "stream_options": {"include_usage": True}}
+    common = {
+        "model": model,
+        "max_tokens": output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if ignore_eos:  # an extension (kiln, vLLM); servers without it reject the field
         common["ignore_eos"] = True
     if endpoint == "chat":
-        return "/v1/chat/completions", [{**common, "messages": [{"role": "user", "content": p}]} for p in prompts]
+        return "/v1/chat/completions", [
+            {**common, "messages": [{"role": "user", "content": p}]} for p in prompts
+        ]
     return "/v1/completions", [{**common, "prompt": p} for p in prompts]
 
 
-def run(base_url: str = "http://127.0.0.1:8000", model: str | None = None, endpoint: str = "completions",
-        num_prompts: int = 64, input_len_min: int = 32, input_len_max: int = 512, output_len: int = 128,
-        dataset: str | None = None, tokenizer: str | None = None, request_rate: float = math.inf,
-        max_concurrency: int = 16, seed: int = 0, api_key: str | None = None, ignore_eos: bool = True) -> dict:
+def run(
+    base_url: str = "http://127.0.0.1:8000",
+    model: str | None = None,
+    endpoint: str = "completions",
+    num_prompts: int = 64,
+    input_len_min: int = 32,
+    input_len_max: int = 512,
+    output_len: int = 128,
+    dataset: str | None = None,
+    tokenizer: str | None = None,
+    request_rate: float = math.inf,
+    max_concurrency: int = 16,
+    seed: int = 0,
+    api_key: str | None = None,
+    ignore_eos: bool = True,
+) -> dict:
     """Send the prompts, streamed, and summarise. `tokenizer` (a model directory or .gguf; default the
     embedded model) turns the random token windows into text."""
     from engine.model_files import load_tokenizer
@@ -191,42 +239,67 @@ def run(base_url: str = "http://127.0.0.1:8000", model: str | None = None, endpo
         prompts = dataset_prompts(dataset, num_prompts)
     else:
         tok = load_tokenizer(model_dir(tokenizer))
-        prompts = [tok.decode(ids) for ids in token_prompts(tok, num_prompts, input_len_min, input_len_max, seed)]
+        prompts = [
+            tok.decode(ids) for ids in token_prompts(tok, num_prompts, input_len_min, input_len_max, seed)
+        ]
     base_url = base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     model = model or _first_model(base_url, headers)
     path, payloads = request_payloads(prompts, endpoint, model, output_len, ignore_eos)
-    results, duration = asyncio.run(_run_requests(base_url, path, payloads, request_rate, max_concurrency, seed, headers))
+    results, duration = asyncio.run(
+        _run_requests(base_url, path, payloads, request_rate, max_concurrency, seed, headers)
+    )
     ok = [r for r in results if r["ok"]]
     failed = [r for r in results if not r["ok"]]
     output_tokens = sum(r["output_tokens"] for r in ok)
     prompt_tokens = sum(r["prompt_tokens"] or 0 for r in ok)
     return {
-        "config": {"base_url": base_url, "model": model, "endpoint": endpoint, "num_prompts": len(prompts),
-                   "dataset": dataset, "input_len_min": input_len_min, "input_len_max": input_len_max,
-                   "output_len": output_len, "max_concurrency": max_concurrency,
-                   "request_rate": request_rate if math.isfinite(request_rate) else "inf",
-                   "seed": seed, "ignore_eos": ignore_eos},
-        "duration_s": duration, "completed": len(ok), "failed": len(failed),
+        "config": {
+            "base_url": base_url,
+            "model": model,
+            "endpoint": endpoint,
+            "num_prompts": len(prompts),
+            "dataset": dataset,
+            "input_len_min": input_len_min,
+            "input_len_max": input_len_max,
+            "output_len": output_len,
+            "max_concurrency": max_concurrency,
+            "request_rate": request_rate if math.isfinite(request_rate) else "inf",
+            "seed": seed,
+            "ignore_eos": ignore_eos,
+        },
+        "duration_s": duration,
+        "completed": len(ok),
+        "failed": len(failed),
         "first_error": failed[0]["error"] if failed else None,
-        "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
-        "request_throughput": len(ok) / duration, "output_throughput": output_tokens / duration,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": output_tokens / duration,
         "total_token_throughput": (prompt_tokens + output_tokens) / duration,
-        **{m: _stats([x for r in ok for x in (r[m] if m == "itl" else [r[m]]) if x is not None]) for m in METRICS},
+        **{
+            m: _stats([x for r in ok for x in (r[m] if m == "itl" else [r[m]]) if x is not None])
+            for m in METRICS
+        },
         "requests": results,
     }
 
 
 def format_report(r: dict) -> str:
     c = r["config"]
-    rows = [f"serve: {c['num_prompts']} prompts to {c['base_url']} /{c['endpoint']} ({c['model']}), "
-            f"{c['output_len']} output tokens each, request rate {c['request_rate']}/s, "
-            f"max concurrency {c['max_concurrency']}",
-            f"completed {r['completed']}, failed {r['failed']} in {r['duration_s']:.1f} s"
-            + (f" (first error: {r['first_error']})" if r["first_error"] else ""),
-            f"requests/s {r['request_throughput']:.2f}, output tok/s {r['output_throughput']:.1f}, "
-            f"total tok/s {r['total_token_throughput']:.1f}",
-            "| ms | mean | p50 | p90 | p99 |", "|---|---|---|---|---|"]
+    rows = [
+        f"serve: {c['num_prompts']} prompts to {c['base_url']} /{c['endpoint']} ({c['model']}), "
+        f"{c['output_len']} output tokens each, request rate {c['request_rate']}/s, "
+        f"max concurrency {c['max_concurrency']}",
+        f"completed {r['completed']}, failed {r['failed']} in {r['duration_s']:.1f} s"
+        + (f" (first error: {r['first_error']})" if r["first_error"] else ""),
+        f"requests/s {r['request_throughput']:.2f}, output tok/s {r['output_throughput']:.1f}, "
+        f"total tok/s {r['total_token_throughput']:.1f}",
+        "| ms | mean | p50 | p90 | p99 |",
+        "|---|---|---|---|---|",
+    ]
     for m in METRICS:
-        rows.append(f"| {m.upper()} | " + " | ".join("n/a" if v is None else f"{v:.1f}" for v in r[m].values()) + " |")
+        rows.append(
+            f"| {m.upper()} | " + " | ".join("n/a" if v is None else f"{v:.1f}" for v in r[m].values()) + " |"
+        )
     return "\n".join(rows)

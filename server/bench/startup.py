@@ -13,8 +13,12 @@ import time
 def time_to_first_token(args: list[str], env: dict[str, str], timeout: float = 900.0) -> float:
     """Seconds until `kiln generate ARGS` writes its first byte of output text."""
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "generate", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server.cli", "generate", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
     try:
         if not proc.stdout.read(1):
             raise RuntimeError(f"kiln generate exited with code {proc.wait()} before any output")

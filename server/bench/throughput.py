@@ -15,13 +15,22 @@ from typing import Any
 from engine.params import SamplingParams
 from server.bench.prompts import dataset_prompts, token_prompts
 
-BASELINES = {"transformers_static": "transformers, static batches", "transformers_continuous": "transformers, continuous batching"}
+BASELINES = {
+    "transformers_static": "transformers, static batches",
+    "transformers_continuous": "transformers, continuous batching",
+}
 
 
 def _rates(num_requests: int, prompt_tokens: int, output_tokens: int, elapsed: float) -> dict:
-    return {"elapsed_s": elapsed, "num_requests": num_requests, "prompt_tokens": prompt_tokens,
-            "output_tokens": output_tokens, "requests_per_s": num_requests / elapsed,
-            "output_tok_s": output_tokens / elapsed, "total_tok_s": (prompt_tokens + output_tokens) / elapsed}
+    return {
+        "elapsed_s": elapsed,
+        "num_requests": num_requests,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "requests_per_s": num_requests / elapsed,
+        "output_tok_s": output_tokens / elapsed,
+        "total_tok_s": (prompt_tokens + output_tokens) / elapsed,
+    }
 
 
 def use_engine_threads(device: str, num_threads: int | None) -> None:
@@ -50,10 +59,14 @@ def bench_kiln(llm, prompts: list[list[int]], output_len: int) -> dict:
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
-    return _rates(len(prompts), sum(map(len, prompts)), sum(len(o.outputs[0].token_ids) for o in outs), elapsed)
+    return _rates(
+        len(prompts), sum(map(len, prompts)), sum(len(o.outputs[0].token_ids) for o in outs), elapsed
+    )
 
 
-def bench_transformers_static(model, prompts: list[list[int]], output_len: int, batch_size: int, pad_id: int) -> dict:
+def bench_transformers_static(
+    model, prompts: list[list[int]], output_len: int, batch_size: int, pad_id: int
+) -> dict:
     """`generate` over left-padded batches of `batch_size` prompts in input order: the usual way to batch with
     transformers. A batch runs until its longest prompt is done, and no new prompt joins it."""
     import torch
@@ -63,11 +76,17 @@ def bench_transformers_static(model, prompts: list[list[int]], output_len: int, 
         width = max(map(len, batch))
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=model.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
-                             min_new_tokens=n, pad_token_id=pad_id)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            pad_token_id=pad_id,
+        )
         return out.shape[0] * (out.shape[1] - width)
 
-    batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
+    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
     with torch.no_grad():
         generate(prompts[:1], 2)  # first-call setup, not timed (the engine's warm-up is not timed either)
         start = time.perf_counter()
@@ -76,9 +95,10 @@ def bench_transformers_static(model, prompts: list[list[int]], output_len: int, 
     return _rates(len(prompts), sum(map(len, prompts)), generated, elapsed)
 
 
-def bench_transformers_continuous(model, prompts: list[list[int]], output_len: int, max_num_seqs: int,
-                                  max_batch_tokens: int, pad_id: int) -> dict:
-    """transformers' own continuous batching (paged KV cache, `generate_batch`'s manager), sized like the engine:
+def bench_transformers_continuous(
+    model, prompts: list[list[int]], output_len: int, max_num_seqs: int, max_batch_tokens: int, pad_id: int
+) -> dict:
+    """transformers' own continuous batching (paged KV cache, `generate_batch`'s manager), sized as kiln is:
     same sequences and tokens per step, and a cache that holds `max_num_seqs` of the longest requests (left to
     itself it sizes the cache from free memory, which on CPU is most of the machine's RAM)."""
     import transformers
@@ -89,12 +109,18 @@ def bench_transformers_continuous(model, prompts: list[list[int]], output_len: i
         return {"unavailable": f"transformers {transformers.__version__} has no continuous batching"}
     page = ContinuousBatchingConfig().page_size
     per_request = -(-(max(map(len, prompts)) + output_len) // page)
-    cb_config = ContinuousBatchingConfig(num_blocks=max_num_seqs * per_request + 1, max_batch_tokens=max_batch_tokens,
-                                         max_requests_per_batch=max_num_seqs)
-    gen_config = GenerationConfig(do_sample=False, max_new_tokens=output_len, eos_token_id=-1, pad_token_id=pad_id)
+    cb_config = ContinuousBatchingConfig(
+        num_blocks=max_num_seqs * per_request + 1,
+        max_batch_tokens=max_batch_tokens,
+        max_requests_per_batch=max_num_seqs,
+    )
+    gen_config = GenerationConfig(
+        do_sample=False, max_new_tokens=output_len, eos_token_id=-1, pad_token_id=pad_id
+    )
     try:
-        with model.continuous_batching_context_manager(generation_config=gen_config, continuous_batching_config=cb_config,
-                                                       block=True, timeout=5) as manager:
+        with model.continuous_batching_context_manager(
+            generation_config=gen_config, continuous_batching_config=cb_config, block=True, timeout=5
+        ) as manager:
             start = time.perf_counter()
             ids = manager.add_requests(inputs=prompts, max_new_tokens=output_len)
             results: dict[str, Any] = {}
@@ -116,9 +142,18 @@ def bench_transformers_continuous(model, prompts: list[list[int]], output_len: i
     return _rates(len(prompts), sum(map(len, prompts)), generated, elapsed)
 
 
-def run(model: str | None, engine_args: dict, num_prompts: int = 256, input_len_min: int = 32,
-        input_len_max: int = 512, output_len: int = 128, dataset: str | None = None, seed: int = 0,
-        compare: bool = False, hf_continuous: bool = True) -> dict:
+def run(
+    model: str | None,
+    engine_args: dict,
+    num_prompts: int = 256,
+    input_len_min: int = 32,
+    input_len_max: int = 512,
+    output_len: int = 128,
+    dataset: str | None = None,
+    seed: int = 0,
+    compare: bool = False,
+    hf_continuous: bool = True,
+) -> dict:
     """kiln, then (with `compare`) transformers static batches and (with `hf_continuous`) its continuous
     batching, on the same prompts."""
     from engine.llm import LLM
@@ -131,34 +166,53 @@ def run(model: str | None, engine_args: dict, num_prompts: int = 256, input_len_
             prompts = token_prompts(llm.tokenizer, num_prompts, input_len_min, input_len_max, seed)
         limit = llm.max_model_len - output_len
         if (too_long := sum(len(p) > limit for p in prompts)) > 0:
-            raise ValueError(f"{too_long} prompts are longer than max_model_len - output_len = {limit} tokens")
+            raise ValueError(
+                f"{too_long} prompts are longer than max_model_len - output_len = {limit} tokens"
+            )
         ready, model_dir, pad_id = llm.client.ready, llm.model_dir, llm.tokenizer.pad_token_id
         cfg = llm.config
-        out: dict = {"config": {
-            "model": model_dir, "dtype": ready.dtype, "device": ready.device, "num_prompts": len(prompts),
-            "dataset": dataset, "input_len_min": min(map(len, prompts)), "input_len_max": max(map(len, prompts)),
-            "input_len_mean": sum(map(len, prompts)) / len(prompts), "output_len": output_len, "seed": seed,
-            "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens}}
+        out: dict = {
+            "config": {
+                "model": model_dir,
+                "dtype": ready.dtype,
+                "device": ready.device,
+                "num_prompts": len(prompts),
+                "dataset": dataset,
+                "input_len_min": min(map(len, prompts)),
+                "input_len_max": max(map(len, prompts)),
+                "input_len_mean": sum(map(len, prompts)) / len(prompts),
+                "output_len": output_len,
+                "seed": seed,
+                "max_num_seqs": cfg.max_num_seqs,
+                "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            }
+        }
         out["kiln"] = bench_kiln(llm, prompts, output_len)
     finally:
         llm.shutdown()
     if compare:
         hf = load_transformers(model_dir, ready.dtype, ready.device, cfg.num_threads)
         pad_id = pad_id if pad_id is not None else 0
-        out["transformers_static"] = bench_transformers_static(hf, prompts, output_len, cfg.max_num_seqs, pad_id)
+        out["transformers_static"] = bench_transformers_static(
+            hf, prompts, output_len, cfg.max_num_seqs, pad_id
+        )
         if hf_continuous:
             out["transformers_continuous"] = bench_transformers_continuous(
-                hf, prompts, output_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, pad_id)
+                hf, prompts, output_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, pad_id
+            )
     return out
 
 
 def format_report(r: dict) -> str:
     c, kiln = r["config"], r["kiln"]
     source = c["dataset"] or f"random windows of {c['input_len_min']}-{c['input_len_max']} tokens"
-    rows = [f"throughput: {c['num_prompts']} prompts ({source}, mean {c['input_len_mean']:.0f} tokens), "
-            f"{c['output_len']} output tokens each; {c['model']} {c['dtype']} on {c['device']}, "
-            f"max_num_seqs {c['max_num_seqs']}",
-            "| engine | requests/s | output tok/s | total tok/s | time s | kiln / this |", "|---|---|---|---|---|---|"]
+    rows = [
+        f"throughput: {c['num_prompts']} prompts ({source}, mean {c['input_len_mean']:.0f} tokens), "
+        f"{c['output_len']} output tokens each; {c['model']} {c['dtype']} on {c['device']}, "
+        f"max_num_seqs {c['max_num_seqs']}",
+        "| engine | requests/s | output tok/s | total tok/s | time s | kiln / this |",
+        "|---|---|---|---|---|---|",
+    ]
     for key, label in {"kiln": "kiln", **BASELINES}.items():
         d = r.get(key)
         if d is None:
@@ -168,6 +222,8 @@ def format_report(r: dict) -> str:
             rows.append(f"| {label} | unavailable: {reason} | | | | |")
             continue
         ratio = "" if key == "kiln" else f"{kiln['output_tok_s'] / d['output_tok_s']:.2f}x"
-        rows.append(f"| {label} | {d['requests_per_s']:.2f} | {d['output_tok_s']:.1f} | {d['total_tok_s']:.1f} "
-                    f"| {d['elapsed_s']:.1f} | {ratio} |")
+        rows.append(
+            f"| {label} | {d['requests_per_s']:.2f} | {d['output_tok_s']:.1f} | {d['total_tok_s']:.1f} "
+            f"| {d['elapsed_s']:.1f} | {ratio} |"
+        )
     return "\n".join(rows)

@@ -1,0 +1,54 @@
+"""Engine arguments: the engine flags are EngineConfig's fields, and budgets resolve per device."""
+
+import argparse
+
+import pytest
+
+from engine.config import EngineConfig, cli_fields
+from server.cli import add_engine_args, engine_args, engine_flags
+
+
+def parse(*flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return parser.parse_args(list(flags))
+
+
+def test_every_engine_flag_is_a_config_field_with_its_default():
+    args = engine_args(parse())
+    assert set(args) == set(cli_fields()) and {"dtype", "max_num_seqs", "enforce_eager"} <= set(args)
+    defaults = EngineConfig()
+    assert all(getattr(defaults, name) == value for name, value in args.items())
+
+
+def test_flags_round_trip_into_the_config():
+    flags = [
+        "--max-num-seqs",
+        "3",
+        "--no-enable-prefix-caching",
+        "--enforce-eager",
+        "--cpu-kv-cache-fraction",
+        "0.5",
+    ]
+    ns = parse(*flags)
+    config = EngineConfig(**engine_args(ns))
+    assert (config.max_num_seqs, config.enable_prefix_caching, config.enforce_eager) == (3, False, True)
+    assert config.cpu_kv_cache_fraction == 0.5
+    assert sorted(engine_flags(ns)) == sorted(flags)
+
+
+def test_budgets_resolve_for_the_device():
+    offline, serving = EngineConfig(), EngineConfig(usage="serving")
+    assert offline.max_num_batched_tokens is None  # left to the engine core, which knows the device
+    assert offline.resolved(on_cuda=False).max_num_batched_tokens == 1024
+    assert offline.resolved(on_cuda=True).max_num_batched_tokens == 8192
+    assert offline.resolved(on_cuda=False).max_num_batched_tokens_decoding == 0
+    assert serving.resolved(on_cuda=False).max_num_batched_tokens_decoding == 64
+    assert serving.resolved(on_cuda=True).max_num_batched_tokens_decoding == 2048
+    assert EngineConfig(max_num_seqs=2000).resolved(on_cuda=False).max_num_batched_tokens == 2000
+    assert EngineConfig(enable_chunked_prefill=False).resolved(on_cuda=False).max_num_batched_tokens == 8192
+
+
+def test_a_bad_value_names_its_field():
+    with pytest.raises(ValueError, match="block_size must be one of"):
+        EngineConfig(block_size=7)

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable, Iterator
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from compiled import guard_free
 from compiled.attention import AttentionMetadata, write_kv
@@ -41,17 +41,6 @@ DYNAMO_FLAGS = dict(
 FX_FLAGS = dict(use_duck_shape=False)  # sizes equal when traced must not be assumed equal
 
 
-def shape_guards(entries: list) -> list[bool]:
-    """The guards a compiled graph keeps: its tensors' sizes, dtypes and devices and its symbolic sizes'
-    ranges, which tell the kinds of step apart. Module attributes, weights and globals never change once
-    the model is built, so checking them on every call would only cost time."""
-    return [
-        e.guard_type == "SHAPE_ENV"
-        or (e.guard_type == "TENSOR_MATCH" and not isinstance(e.value, nn.Parameter))
-        for e in entries
-    ]
-
-
 @contextlib.contextmanager
 def flags() -> Iterator[None]:
     """The flags every trace runs with; entered around each step, so the rest of the process keeps its own."""
@@ -70,11 +59,9 @@ class CompilePolicy:
         if enforce_eager:
             return
         model.use_fused_kernels(CPU_ROW_BLOCKS if device.type == "cpu" else 1)
-        options = {"guard_filter_fn": shape_guards}
-        for layer in model.layers:
-            layer.compile(dynamic=True, fullgraph=True, options=options)
-        # The LM head: one more weight stream per step.
-        model.output.compile(dynamic=True, fullgraph=True, options=options)
+        # Guards stay whole: module attributes and weights are what tell two models of one process apart.
+        for module in [*model.layers, model.output]:  # the LM head too: one more weight stream per step
+            module.compile(dynamic=True, fullgraph=True)
         if device.type == "cuda":
             self.decode_forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
         elif guard_free.supported():

@@ -73,11 +73,13 @@ class AsyncLLM(FrontEnd):
         if not isinstance(prompt, PreparedRequest):
             prompt = self.process(prompt, sampling_params or SamplingParams(), request_id)
         rid = prompt.request_id
+        self.output_processor.add_request(prompt)  # a request id in use fails here, touching nothing
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[rid] = queue
         finished = False
         try:
-            self._add(prompt)
+            for req in prompt.core_requests:
+                self.client.add_request(req)
             while not finished:
                 item = await queue.get()
                 if isinstance(item, Exception):

@@ -52,11 +52,6 @@ class FrontEnd:
         request_id = request_id or f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         return self.processor.process(request_id, prompt, params, time.time())
 
-    def _add(self, request: PreparedRequest) -> None:
-        self.output_processor.add_request(request)
-        for req in request.core_requests:
-            self.client.add_request(req)
-
     def shutdown(self) -> None:
         if getattr(self, "client", None) is not None:
             self.client.shutdown()

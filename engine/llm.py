@@ -64,7 +64,9 @@ class LLM(FrontEnd):
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 request = self.process(prompt, p)
                 order[request.request_id] = i
-                self._add(request)
+                self.output_processor.add_request(request)
+                for req in request.core_requests:
+                    self.client.add_request(req)
             return self._collect(order, use_tqdm)
         except BaseException:
             # Bad input, Ctrl-C or a dead engine: nothing of this call may stay in the engine.

@@ -6,6 +6,7 @@ import random
 import pytest
 
 from engine.async_llm import AsyncLLM
+from engine.errors import InvalidRequestError
 from engine.params import SamplingParams
 from tests.conftest import engine_core_children
 
@@ -44,6 +45,22 @@ def test_stream_deltas_add_up_to_the_final_output(engine):
     deltas, tokens, last = run(go())
     assert last.finished and len(deltas) > 1
     assert "".join(deltas) == last.outputs[0].text and tokens == last.outputs[0].token_ids
+
+
+def test_a_request_id_in_use_is_refused_and_the_first_request_unharmed(engine):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    async def go():
+        first = engine.generate("Tell me", params, request_id="twice")
+        outs = [await anext(first)]
+        with pytest.raises(InvalidRequestError, match="already in use"):
+            await anext(engine.generate("Tell me more", params, request_id="twice"))
+        outs += [out async for out in first]
+        return outs[-1]
+
+    last = run(asyncio.wait_for(go(), timeout=60))
+    assert last.finished and len(last.outputs[0].token_ids) == 8
+    assert not engine.queues
 
 
 def test_soak_random_lengths_aborts_and_stop_strings(engine):

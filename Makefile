@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: setup lint
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)

@@ -6,19 +6,16 @@ contract (engine/step.py) and plain values, so nothing torch crosses into the en
 
 from __future__ import annotations
 
-import logging
 import os
 
 import msgspec
 import torch
-import torch._inductor.compile_fx
+import torch._inductor.compile_fx  # what torch.compile imports on first use: loaded with this module
 
 from compiled.loader import convert_gguf, resolve_dtype
 from compiled.model_runner import ModelRunner
 from engine.config import EngineConfig
 from engine.step import ModelRunnerOutput, SchedulerOutput
-
-logger = logging.getLogger("kiln.worker")
 
 
 def resolve_device(name: str) -> torch.device:

@@ -19,11 +19,9 @@ from compiled.loader import load_model
 from compiled.sampler import sample
 from engine.config import EngineConfig
 from engine.params import SamplingParams
-from engine.step import ModelRunnerOutput, SchedulerOutput
+from engine.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 
 logger = logging.getLogger("kiln.runner")
-
-TokenLogprobs = tuple[float, list[tuple[int, float]]]
 
 
 class ModelRunner:

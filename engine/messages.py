@@ -11,10 +11,7 @@ import msgspec
 
 from engine.config import EngineConfig
 from engine.params import SamplingParams
-
-# (sampled token logprob, [(token id, logprob) for the top-N])
-TokenLogprobs = tuple[float, list[tuple[int, float]]]
-
+from engine.step import TokenLogprobs
 
 # ---- front end -> engine core ----------------------------------------------------------------
 

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 
 from engine.params import SamplingParams
 
+# (sampled token logprob, [(token id, logprob) for the top-N])
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
+
 
 @dataclass
 class NewRequestData:
@@ -60,4 +63,4 @@ class ModelRunnerOutput:
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
-    logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None] | None = None
+    logprobs: list[list[TokenLogprobs] | None] | None = None

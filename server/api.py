@@ -94,7 +94,6 @@ class Routes:
 
     async def tokenize(self, request: Request) -> Response:
         b: TokenizeRequest = await self.s.read(request, TokenizeRequest)
-        self.s.check_model(b.model)
         if b.messages is not None:
             ids = self.s.chat_ids(b.messages, b.add_generation_prompt is not False, None)
         elif b.prompt is not None:
@@ -115,7 +114,6 @@ class Routes:
 
     async def detokenize(self, request: Request) -> Response:
         b: DetokenizeRequest = await self.s.read(request, DetokenizeRequest)
-        self.s.check_model(b.model)
         vocab = self.s.llm.processor.vocab_size
         for i, t in enumerate(b.tokens):
             if not 0 <= t < vocab:

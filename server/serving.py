@@ -1,5 +1,5 @@
 """What the OpenAI endpoints share: reading and checking a body, HTTP-only limits, generating through the
-engine with metrics, merging several generations, the SSE stream and its chunk loop.
+engine with metrics, merging several generations, and the SSE stream (its chunk loop: server/streaming.py).
 
 A request lives in the engine only while its client does: a streaming response is cancelled by
 Starlette when the client goes, a non-streaming one races its generation against the connection's
@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import msgspec
@@ -21,12 +21,12 @@ from starlette.responses import Response, StreamingResponse
 
 from engine.errors import InvalidRequestError
 from engine.input_processor import PreparedRequest
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import RequestOutput
 from engine.params import SamplingParams
 from server.errors import APIError, as_api_error, bad_param, encode, short, validation_error
 from server.logprobs import TokenStrings
 from server.metrics import RequestTracker, ServerMetrics
-from server.protocol import ChatMessage, StreamOptions, UsageInfo, _SamplingRequest
+from server.protocol import ChatMessage, UsageInfo, _SamplingRequest
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 MAX_N = 128  # samples per prompt
@@ -118,6 +118,7 @@ class Serving:
         self._decoders: dict[type, msgspec.json.Decoder] = {}
 
     async def read(self, request: Request, cls: type) -> Any:
+        """The body decoded as `cls`, whose `model`, if given, must be the one this server serves."""
         limit = self.max_body_bytes
         length = request.headers.get("content-length")
         too_large = length is not None and length.isdigit() and int(length) > limit
@@ -139,20 +140,22 @@ class Serving:
         if decoder is None:
             decoder = self._decoders[cls] = msgspec.json.Decoder(cls)
         try:
-            return decoder.decode(b"".join(chunks))
+            body = decoder.decode(b"".join(chunks))
         except msgspec.ValidationError as e:
             raise validation_error(e) from None
         except msgspec.DecodeError as e:
             raise APIError(400, f"request body is not valid JSON: {e}") from None
         except RecursionError:
             raise APIError(400, "request body is not valid JSON: nested too deeply") from None
+        self._check_model(body.model)
+        return body
 
     def _too_large(self) -> APIError:
         return APIError(
             413, f"request body exceeds the limit of {self.max_body_bytes} bytes", code="request_too_large"
         )
 
-    def check_model(self, model: str | None) -> None:
+    def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(
                 404,
@@ -355,45 +358,3 @@ class Serving:
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-
-
-def usage_options(options: StreamOptions | None) -> tuple[bool, bool]:
-    """(usage in a last chunk of its own, usage in every chunk too), as vLLM reads `stream_options`."""
-    include = bool(options and options.include_usage)
-    return include, include and bool(options.continuous_usage_stats)
-
-
-def has_news(c: CompletionOutput, text: str, logprobs: object, token_ids: bool) -> bool:
-    """Whether a choice's chunk would carry anything: text, logprobs, its finish, or asked-for token ids."""
-    return bool(text) or logprobs is not None or c.finished or (token_ids and bool(c.delta_token_ids))
-
-
-class ChoiceStream:
-    """The chunk loop both endpoints stream: per step of the merged generations, the choices with something
-    new. `make_choice(prompt index, choice index, output)` builds one, or None when it has nothing to send;
-    a finished choice is sent once. `generated` counts every token, sent or not."""
-
-    def __init__(
-        self,
-        gens: list[AsyncIterator[RequestOutput]],
-        n: int,
-        make_choice: Callable[[int, int, CompletionOutput], Any | None],
-    ) -> None:
-        self.gens, self.n, self.make_choice = gens, n, make_choice
-        self.generated = 0
-
-    async def __aiter__(self) -> AsyncIterator[list]:
-        done: set[int] = set()
-        async with contextlib.aclosing(merge(self.gens)) as merged:
-            async for i, out in merged:
-                choices = []
-                for c in out.outputs:
-                    index = i * self.n + c.index
-                    self.generated += len(c.delta_token_ids)
-                    if index in done or (choice := self.make_choice(i, index, c)) is None:
-                        continue
-                    if c.finished:
-                        done.add(index)
-                    choices.append(choice)
-                if choices:
-                    yield choices

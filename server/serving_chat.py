@@ -22,7 +22,8 @@ from server.protocol import (
     ChatResponseMessage,
     DeltaMessage,
 )
-from server.serving import MAX_LOGPROBS, ChoiceStream, PromptIds, Serving, has_news, usage_options
+from server.serving import MAX_LOGPROBS, PromptIds, Serving
+from server.streaming import ChoiceStream, has_news, usage_options
 
 
 class ChatServing:
@@ -32,7 +33,6 @@ class ChatServing:
     async def create(self, request: Request) -> Response:
         s = self.s
         b: ChatCompletionRequest = await s.read(request, ChatCompletionRequest)
-        s.check_model(b.model)
         if b.top_logprobs is not None and not b.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         if b.top_logprobs is not None and not 0 <= b.top_logprobs <= MAX_LOGPROBS:

@@ -16,7 +16,8 @@ from engine.outputs import CompletionOutput
 from engine.params import SamplingParams
 from server.errors import APIError, json_response
 from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
-from server.serving import MAX_CHOICES, ChoiceStream, PromptIds, Serving, has_news, usage_options
+from server.serving import MAX_CHOICES, PromptIds, Serving
+from server.streaming import ChoiceStream, has_news, usage_options
 
 
 def _as_token_ids(value: Any) -> list[int] | None:
@@ -32,7 +33,6 @@ class CompletionServing:
     async def create(self, request: Request) -> Response:
         s = self.s
         b: CompletionRequest = await s.read(request, CompletionRequest)
-        s.check_model(b.model)
         prompts = self.prompts(b.prompt)
         max_tokens = 16 if b.max_tokens is msgspec.UNSET else b.max_tokens
         params = s.sampling_params(b, max_tokens, b.logprobs)  # type: ignore[arg-type]

@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kiln-installed
 
-.PHONY: setup test lint serve generate clean
+.PHONY: setup test lint serve generate device-kit device-dry-run clean
 
 setup: $(STAMP)
 
@@ -27,5 +27,14 @@ serve: setup
 generate: setup
 	$(VENV)/bin/kiln generate "Write a haiku about a kiln."
 
+# The GPU check packed for a machine with torch but no network (server/bench/device_kit.py), and its run
+# on this CPU in an environment like that machine's.
+device-kit: setup
+	$(PY) -m server.bench.device_kit build
+
+DRY_RUN_OUT ?= .device/dry-run
+device-dry-run: device-kit
+	$(PY) -m server.bench.device_kit dry-run --out $(DRY_RUN_OUT)
+
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) *.egg-info .device

@@ -150,9 +150,17 @@ def decode_attention_matmul(
 
 
 def prefill_attention(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    expand_kv: bool | None = None,
 ) -> Tensor:
-    """Multi-token chunks: q [T, H, D] (the whole step) -> [T - Bd, H, D] for the chunk tokens."""
+    """Multi-token chunks: q [T, H, D] (the whole step) -> [T - Bd, H, D] for the chunk tokens.
+
+    `expand_kv` (default: on CUDA) repeats each KV head for its query heads: CUDA's fused SDPA kernels take
+    a mask but no GQA, and SDPA's math fallback would materialise every score. CPU's take both."""
     k = _gather_keys(k_cache, meta.prefill_block_tables)  # [P, Hkv, L, D]
     v = _gather_values(v_cache, meta.prefill_block_tables)
     qp = q[meta.prefill_query_index].transpose(1, 2)  # [P, H, Qp, D]
@@ -161,7 +169,11 @@ def prefill_attention(
     # Unwritten slots may hold anything, NaN included: a masked score still meets them.
     written = (key_pos[None, :] <= meta.prefill_query_pos.amax(1)[:, None])[:, None, :, None]  # [P, 1, L, 1]
     k, v = torch.where(written, k, 0.0), torch.where(written, v, 0.0)
-    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    expand = q.device.type == "cuda" if expand_kv is None else expand_kv
+    if expand:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=not expand)
     P, H, Qp, D = out.shape
     return out.transpose(1, 2).reshape(P * Qp, H, D)[meta.prefill_out_index]
 

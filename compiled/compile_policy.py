@@ -5,10 +5,11 @@ CPU: each TransformerBlock compiles with dynamic shapes; all layers share one Dy
 code, weights are graph inputs), so a whole step costs a few graphs: decode of one sequence (Linear is a
 matrix-vector reduction there) and of more, and steps with chunks. Decode layers then run guard-free
 (compiled/guard_free.py). Per-layer graphs against one whole-model graph: BENCHMARKS.md.
-CUDA: decode-only steps (padded to a bucket) run the whole model under mode="reduce-overhead" (CUDA
-graphs); steps with multi-token chunks use the per-layer graphs. Shapes are left to automatic dynamic:
-the first bucket compiles static, the next a graph with a symbolic batch and block-table width, and
-CUDA-graph trees record one graph per concrete shape, so the buckets stay under the recompile limit.
+CUDA: decode-only steps (padded to a bucket, the block table to a width class) run the whole model under
+mode="reduce-overhead" (CUDA graphs); steps with multi-token chunks use the per-layer graphs. Shapes are
+left to automatic dynamic: the first shape compiles static, the next ones graphs with a symbolic batch and
+block-table width, and CUDA-graph trees record one graph per concrete shape, so every (bucket, width)
+pair stays under the recompile limit. The warm-up records each of them.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from compiled import guard_free
 from compiled.attention import AttentionMetadata, write_kv
+from compiled.input_batch import InputBatch
 from compiled.models.llama import Transformer, TransformerBlock
 
 logger = logging.getLogger("kiln.runner")
@@ -32,6 +35,9 @@ WARMUP_CHUNK = 64  # tokens of the multi-token chunks the warm-up runs; graphs a
 WARMUP_CONTEXT = 512
 # One-row products reduce this many row blocks side by side, an accumulator each (CPU; CUDA unmeasured).
 CPU_ROW_BLOCKS = 4
+# CUDA-graph trees run a new shape eagerly, record it on its second call and replay it from the third.
+CUDA_GRAPH_RUNS = 3
+CUDA_DECODE = dict(mode="reduce-overhead", fullgraph=True)  # the whole decode forward, one CUDA graph
 
 DYNAMO_FLAGS = dict(
     specialize_float=True,  # float attributes (norm eps) as constants, not tensors built on every call
@@ -41,11 +47,26 @@ DYNAMO_FLAGS = dict(
 FX_FLAGS = dict(use_duck_shape=False)  # sizes equal when traced must not be assumed equal
 
 
+def _known(config: object, values: dict) -> dict:
+    """The settings the running torch has (2.11 lacks some of 2.13's); the rest are left out."""
+    return {name: value for name, value in values.items() if hasattr(config, name)}
+
+
 @contextlib.contextmanager
 def flags() -> Iterator[None]:
     """The flags every trace runs with; entered around each step, so the rest of the process keeps its own."""
-    with torch._dynamo.config.patch(**DYNAMO_FLAGS), torch.fx.experimental._config.patch(**FX_FLAGS):
+    dynamo, fx = torch._dynamo.config, torch.fx.experimental._config
+    with dynamo.patch(**_known(dynamo, DYNAMO_FLAGS)), fx.patch(**_known(fx, FX_FLAGS)):
         yield
+
+
+class WarmupStep(NamedTuple):
+    """One step shape the warm-up runs over throw-away sequences."""
+
+    num_single: int  # single-query rows
+    chunk_lens: tuple[int, ...]  # multi-token chunks
+    context: int  # keys each single-query row attends to
+    runs: int
 
 
 class CompilePolicy:
@@ -63,7 +84,11 @@ class CompilePolicy:
         for module in [*model.layers, model.output]:  # the LM head too: one more weight stream per step
             module.compile(dynamic=True, fullgraph=True)
         if device.type == "cuda":
-            self.decode_forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+            self.decode_forward = torch.compile(model.forward, **CUDA_DECODE)
+            # Every (bucket, width) pair is a graph recorded on purpose: no warning past the eighth.
+            triton = torch._inductor.config.triton
+            if hasattr(triton, "cudagraph_dynamic_shape_warn_limit"):
+                triton.cudagraph_dynamic_shape_warn_limit = None
         elif guard_free.supported():
             self.decode_forward = self._decode_guard_free
 
@@ -78,14 +103,21 @@ class CompilePolicy:
             if self.device.type == "cuda":
                 torch._dynamo.mark_static_address(cache)  # CUDA graphs mutate only fixed addresses
 
-    def warmup_shapes(self, buckets: list[int], max_model_len: int) -> list[tuple[int, list[int]]]:
-        """(single-query rows, chunk lengths) of every step shape serving meets, so none compiles later."""
+    def warmup_shapes(self, batch: InputBatch, max_model_len: int) -> list[WarmupStep]:
+        """Every step shape serving meets: none compiles or records a CUDA graph while requests wait."""
         if self.eager:
             return []
-        chunk = min(WARMUP_CHUNK, max_model_len - 1)
-        # On CUDA every bucket records its own CUDA graph; on CPU one row and more are the only decode graphs.
-        decode = buckets if self.device.type == "cuda" else buckets[:2]
-        return [(b, []) for b in decode] + [(2, [chunk]), (2, [chunk, 2])]
+        chunk, context = min(WARMUP_CHUNK, max_model_len - 1), min(WARMUP_CONTEXT, max_model_len)
+        prefill = [WarmupStep(2, (chunk,), context, 1), WarmupStep(2, (chunk, 2), context, 1)]
+        if self.device.type != "cuda":
+            # One row and more are the only CPU decode graphs; their width is a dynamic size.
+            return [WarmupStep(b, (), context, 1) for b in batch.buckets[:2]] + prefill
+        # Each (bucket, width class) is a CUDA graph of its own, captured here.
+        return [
+            WarmupStep(b, (), min(w * batch.block_size, max_model_len), CUDA_GRAPH_RUNS)
+            for b in batch.buckets
+            for w in batch.decode_widths()
+        ] + prefill
 
     def forward(self, decode_only: bool) -> Callable[..., Tensor]:
         return self.decode_forward if decode_only else self.prefill_forward

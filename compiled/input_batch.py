@@ -142,6 +142,20 @@ class InputBatch:
                 state.num_blocks += n
             state.num_computed_tokens = cached.num_computed_tokens
 
+    def decode_rows(self, num_singles: int) -> int:
+        """Rows a step's single-query part is padded to: its bucket."""
+        return next(b for b in self.buckets if b >= num_singles) if num_singles else 0
+
+    def decode_width(self, max_seq_len: int) -> int:
+        """Block-table columns decode attention runs over, every one computed: exact on CPU, where the width
+        is a dynamic size; a power of two on CUDA (or the whole table), where each width is a CUDA graph."""
+        width = max(cdiv(max_seq_len, self.block_size), 2)
+        return _pow2(width, self.table_width) if self.device.type == "cuda" else width
+
+    def decode_widths(self) -> list[int]:
+        """Every width `decode_width` can return on CUDA: the width classes each bucket is captured at."""
+        return sorted({_pow2(w, self.table_width) for w in range(2, self.table_width + 1)})
+
     def split(
         self, num_scheduled: dict[str, int]
     ) -> tuple[list[CachedRequestState], list[CachedRequestState]]:
@@ -160,7 +174,7 @@ class InputBatch:
         bs = self.block_size
         # Dynamo specialises sizes 0 and 1, so a step with chunks carries at least two decode rows
         # (padding rows cost a short attention each): chunk-only and mixed steps then share graphs.
-        n_dec = next(b for b in self.buckets if b >= len(singles)) if singles else 0
+        n_dec = self.decode_rows(len(singles))
         n_pad = (max(n_dec, 2) if chunks else n_dec) - len(singles)
         rows: list[int] = []
         positions: list[int] = []
@@ -180,10 +194,7 @@ class InputBatch:
         token_ids += [0] * n_pad
         num_dec = len(rows)
         seq_lens = [p + 1 for p in positions]
-        # Decode attention computes over every column of the table: exact on CPU, where the width is a
-        # dynamic size; a power of two on CUDA, where each distinct width is a CUDA graph.
-        dec_width = cdiv(max(seq_lens, default=1), bs)
-        dec_width = max(_pow2(dec_width, self.table_width) if self.device.type == "cuda" else dec_width, 2)
+        dec_width = self.decode_width(max(seq_lens, default=1))
 
         query_index: list[list[int]] = []
         query_pos: list[list[int]] = []

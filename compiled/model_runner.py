@@ -81,23 +81,25 @@ class ModelRunner:
 
     def warmup(self) -> None:
         """Run every step shape serving meets, so that none compiles while requests wait."""
-        shapes = self.policy.warmup_shapes(self.buckets, self.max_model_len)
+        shapes = self.policy.warmup_shapes(self.batch, self.max_model_len)
         if not shapes:
             return
         start = time.perf_counter()
-        for num_single, chunk_lens in shapes:
-            self.dummy_step(num_single, chunk_lens)
+        for shape in shapes:
+            for _ in range(shape.runs):
+                self.dummy_step(shape.num_single, list(shape.chunk_lens), shape.context)
         logger.info(
             "compile/warm-up: %d step shapes (decode buckets %s, prefill and mixed) in %.1f s",
             len(shapes),
-            [n for n, chunks in shapes if not chunks],
+            sorted({s.num_single for s in shapes if not s.chunk_lens}),
             time.perf_counter() - start,
         )
 
-    def dummy_step(self, num_single: int, chunk_lens: list[int]) -> None:
-        """A step over throw-away sequences whose KV all lands in the null block."""
+    def dummy_step(self, num_single: int, chunk_lens: list[int], context: int = WARMUP_CONTEXT) -> None:
+        """A step over throw-away sequences whose KV all lands in the null block; each single-query row
+        attends to `context` keys."""
         greedy, null = SamplingParams(temperature=0.0), self.batch.null_row
-        ctx = min(WARMUP_CONTEXT, self.max_model_len)
+        ctx = min(context, self.max_model_len)
         singles = [
             CachedRequestState(f"dummy{i}", [0] * ctx, ctx, greedy, 0, null, 0, ctx - 1)
             for i in range(num_single)

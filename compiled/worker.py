@@ -42,6 +42,10 @@ class Worker:
         return self.runner.max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    @property
     def dtype(self) -> str:
         return str(self.runner.dtype).removeprefix("torch.")
 

@@ -9,13 +9,40 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.core_client import AsyncCoreClient
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, EngineOverloadedError
 from engine.front_end import FrontEnd
 from engine.input_processor import PreparedRequest, Prompt
 from engine.outputs import RequestOutput
 from engine.params import SamplingParams
 
 logger = logging.getLogger("kiln")
+
+
+class _Pending:
+    """What one request's reader has not taken yet: at most one output, a newer one replacing it with the
+    deltas of both, so a reader that falls behind holds one output's memory, not one per step."""
+
+    def __init__(self) -> None:
+        self.item: RequestOutput | BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        old = self.item
+        if isinstance(old, BaseException):
+            return  # an error is waiting already, and it ends the stream
+        if isinstance(old, RequestOutput) and isinstance(item, RequestOutput):
+            for prev, new in zip(old.outputs, item.outputs):
+                new.delta_text = prev.delta_text + new.delta_text
+                new.delta_token_ids = prev.delta_token_ids + new.delta_token_ids
+                new.delta_logprobs = prev.delta_logprobs + new.delta_logprobs
+        self.item = item
+        self.ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        await self.ready.wait()
+        item, self.item = self.item, None
+        self.ready.clear()
+        return item  # type: ignore[return-value]
 
 
 class AsyncLLM(FrontEnd):
@@ -26,7 +53,7 @@ class AsyncLLM(FrontEnd):
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         # Streams are read as they are generated: defaults favour smooth inter-token latency.
         super().__init__(model, AsyncCoreClient, {"usage": "serving", **engine_args})
-        self.queues: dict[str, asyncio.Queue] = {}
+        self.queues: dict[str, _Pending] = {}
         self._reader: asyncio.Task | None = None
 
     @property
@@ -50,13 +77,13 @@ class AsyncLLM(FrontEnd):
         for out in updates:
             queue = self.queues.get(out.request_id)
             if queue is not None:
-                queue.put_nowait(out)
+                queue.put(out)
 
     def _on_dead(self, message: str) -> None:
         logger.error("engine core died: %s", message)
         self.output_processor.fail_all()
         for queue in self.queues.values():
-            queue.put_nowait(EngineDeadError(message))
+            queue.put(EngineDeadError(message))
 
     async def generate(
         self,
@@ -68,21 +95,21 @@ class AsyncLLM(FrontEnd):
         be a request `process` validated already. Closing the generator early (a client went away)
         aborts the request in the engine."""
         self._ensure_reader()
-        if self.client.dead:
-            raise EngineDeadError(self.client.dead)
+        if self.dead:  # the process is checked now: the reader may not have seen it die yet
+            raise EngineDeadError(self.dead)
         if not isinstance(prompt, PreparedRequest):
             prompt = self.process(prompt, sampling_params or SamplingParams(), request_id)
         rid = prompt.request_id
+        self.check_capacity()
         self.output_processor.add_request(prompt)  # a request id in use fails here, touching nothing
-        queue: asyncio.Queue = asyncio.Queue()
-        self.queues[rid] = queue
+        queue = self.queues[rid] = _Pending()
         finished = False
         try:
             for req in prompt.core_requests:
                 self.client.add_request(req)
             while not finished:
                 item = await queue.get()
-                if isinstance(item, Exception):
+                if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
                 yield item
@@ -93,11 +120,23 @@ class AsyncLLM(FrontEnd):
                 if not self.client.dead:
                     self.client.abort_requests(live)
 
+    def check_capacity(self, count: int = 1) -> None:
+        """EngineOverloadedError if `count` more requests would exceed what this front end may hold:
+        max_num_seqs running and max_pending_requests waiting for a slot."""
+        c = self.config
+        limit = c.max_num_seqs + c.max_pending_requests
+        if len(self.output_processor.requests) + count > limit:
+            raise EngineOverloadedError(
+                f"{len(self.output_processor.requests)} requests are in flight and the limit is {limit} "
+                f"(max_num_seqs {c.max_num_seqs} + max_pending_requests {c.max_pending_requests}); "
+                "retry later"
+            )
+
     async def abort(self, request_id: str) -> None:
         self.client.abort_requests(self.output_processor.abort(request_id))
         queue = self.queues.get(request_id)
         if queue is not None:
-            queue.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
+            queue.put(asyncio.CancelledError(f"request {request_id} aborted"))
 
     async def get_stats(self) -> dict:
         self._ensure_reader()

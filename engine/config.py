@@ -54,6 +54,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     num_kv_blocks: int | None = None  # exact pool size (tests); overrides the memory-based sizing
     enforce_eager: Annotated[bool, _help("skip torch.compile")] = False
     num_threads: Annotated[int | None, _help("torch threads of the engine core (default: all cores)")] = None
+    max_pending_requests: Annotated[
+        int, _help("streaming front ends: requests held beyond max_num_seqs before more are refused (429)")
+    ] = 4096
 
     def __post_init__(self) -> None:
         budget = self.max_num_batched_tokens

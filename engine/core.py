@@ -74,7 +74,7 @@ class EngineCore:
 
     def ready_message(self) -> CoreReady:
         e = self.executor
-        return CoreReady(self.config, self.num_blocks, e.max_model_len, e.dtype, e.device)
+        return CoreReady(self.config, self.num_blocks, e.max_model_len, e.dtype, e.device, e.vocab_size)
 
     def add_request(self, req: EngineCoreRequest) -> EngineCoreOutput | None:
         """Queue a request; one that can never run is finished at once ("abort", why in stop_reason)."""
@@ -216,17 +216,18 @@ class EngineCoreProc:
             return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
 
 
-def _die_with_parent() -> None:
-    """Ask the kernel to SIGTERM us when the front end exits, however it exits: no orphans."""
+def _die_with_parent(parent: int) -> None:
+    """Ask the kernel to SIGTERM us when the front end (pid `parent`) exits, however it exits: no orphans."""
     PR_SET_PDEATHSIG = 1
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() == 1:  # the parent died before prctl took effect
+    # Reparented: the front end died before prctl took effect. (A front end may itself be pid 1.)
+    if os.getppid() != parent:
         sys.exit(1)
 
 
 def main() -> None:
-    _die_with_parent()
+    _die_with_parent(int(sys.argv[3]))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
     logging.basicConfig(

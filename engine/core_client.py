@@ -9,12 +9,16 @@ The core runs as a fresh `python -m engine.core` process (not a fork); it dies w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import logging
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from typing import Any
 
 import msgspec
@@ -25,6 +29,7 @@ from engine import messages as m
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 
+logger = logging.getLogger("kiln")
 POLL_MS = 200  # how often a waiting client checks that the core process is alive
 
 
@@ -37,6 +42,7 @@ class CoreClient:
         self.ipc_dir = tempfile.mkdtemp(prefix="kiln-")
         in_addr, out_addr = f"ipc://{self.ipc_dir}/in", f"ipc://{self.ipc_dir}/out"
         self.ctx = zmq.Context()
+        self.ctx.setsockopt(zmq.LINGER, 0)  # closing never waits for unsent messages
         self.input = self.ctx.socket(zmq.PUSH)
         self.input.bind(in_addr)
         self.output = self.ctx.socket(zmq.PULL)
@@ -45,18 +51,26 @@ class CoreClient:
         self.decoder = msgspec.msgpack.Decoder(m.CoreOutput)
         self.dead: str | None = None
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.core", in_addr, out_addr], stdin=subprocess.DEVNULL
+            [sys.executable, "-m", "engine.core", in_addr, out_addr, str(os.getpid())],
+            stdin=subprocess.DEVNULL,
         )
         self.ready: m.CoreReady | None = None
         self._call_ids = itertools.count()
+        # Runs on shutdown, when the client is collected, or at interpreter exit, whichever comes first:
+        # a script that falls off its end with the engine alive still exits.
+        self._release = weakref.finalize(self, _release, self.proc, self.ctx, self.ipc_dir)
 
     def start(self, config: EngineConfig, model_dir: str, gguf_file: str | None = None) -> None:
         self.send(m.StartCore(config, model_dir, gguf_file))
 
     def send(self, msg) -> None:
-        if self.dead:
-            raise EngineDeadError(self.dead)
-        self.input.send(self.encoder.encode(msg), copy=False)
+        """Queue `msg` for the core. A PUSH socket blocks while no core is connected, so wait for room
+        only while the core process lives: a core that exited (or never connected) is an error here."""
+        self.check_alive()
+        frame = self.encoder.encode(msg)
+        while not self.input.poll(POLL_MS, zmq.POLLOUT):
+            self.check_alive()
+        self.input.send(frame, copy=False, flags=zmq.NOBLOCK)
 
     def wait_ready(self, timeout: float = 1800.0) -> m.CoreReady:
         deadline = time.monotonic() + timeout
@@ -98,17 +112,26 @@ class CoreClient:
             self.proc.kill()
             self.proc.wait()
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(zmq.ZMQError, subprocess.TimeoutExpired):
                 self.input.send(self.encoder.encode(m.Shutdown()), flags=zmq.NOBLOCK)
                 self.proc.wait(timeout=5)
-            except (zmq.ZMQError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-        if not self.ctx.closed:
-            self.ctx.destroy(linger=0)
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        self._release()
         if self.dead is None:
             self.dead = "engine core was shut down"
+
+
+def _release(proc: subprocess.Popen, ctx: zmq.Context, ipc_dir: str) -> None:
+    """Stop the core process (SIGTERM, then SIGKILL) and close every socket without lingering."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if not ctx.closed:
+        ctx.destroy(linger=0)
+    shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
 class SyncCoreClient(CoreClient):
@@ -175,7 +198,12 @@ class AsyncCoreClient(CoreClient):
                     elif isinstance(msg, m.CoreFailed):
                         self._mark_dead(msg.message)
                 self.check_alive()
-        except (EngineDeadError, zmq.ZMQError) as e:
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the core died, or handling its outputs failed: no request can finish
+            if not isinstance(e, EngineDeadError | zmq.ZMQError):
+                logger.exception("handling the engine core's outputs failed")
+                self._mark_dead(f"handling the engine core's outputs failed: {type(e).__name__}: {e}")
             message = self.dead or str(e)
             for future in self._futures.values():
                 if not future.done():

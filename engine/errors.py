@@ -9,5 +9,9 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+class EngineOverloadedError(RuntimeError):
+    """More requests are in flight than the front end may hold; the caller should retry later."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine-core process is gone; every pending and future request fails with this."""

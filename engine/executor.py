@@ -27,10 +27,22 @@ class Executor:
         self.max_model_len: int = self.worker.max_model_len
         self.dtype: str = self.worker.dtype
         self.device: str = self.worker.device
+        self.vocab_size: int = self.worker.vocab_size
 
     def initialize(self) -> int:
         """Size and allocate the KV cache, then compile and warm up; returns the number of KV blocks."""
         num_blocks = self.worker.determine_num_blocks()
+        held, bs = (
+            (num_blocks - 1) * self.config.block_size,
+            self.config.block_size,
+        )  # block 0: the null block
+        if held < self.max_model_len:
+            # Refused here, not per request: a prompt the cache can never hold would never finish.
+            raise ValueError(
+                f"the KV cache holds {held} tokens ({num_blocks - 1} blocks of {bs}), fewer than one "
+                f"sequence of max_model_len={self.max_model_len}: give it more memory (kv_cache_memory, "
+                "num_kv_blocks) or lower max_model_len"
+            )
         self.worker.initialize_kv_cache(num_blocks)
         self.worker.warm_up()
         return num_blocks

@@ -39,18 +39,26 @@ class FrontEnd:
         self.config = ready.config
         self.max_model_len = ready.max_model_len
         self.processor = InputProcessor(
-            self.tokenizer, ready.max_model_len, eos_token_ids(self.model_dir, self.tokenizer)
+            self.tokenizer,
+            ready.max_model_len,
+            eos_token_ids(self.model_dir, self.tokenizer),
+            ready.vocab_size,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.chat_prompt = self.processor.chat_prompt  # conversation -> prompt token ids
         self._ids = itertools.count()
 
     def process(
-        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> PreparedRequest:
-        """Validate one prompt (InvalidRequestError names what is wrong); nothing is sent yet."""
+        """Validate one prompt (InvalidRequestError names what is wrong); nothing is sent yet. Requests
+        share cached prefixes only with requests of the same `cache_salt`."""
         request_id = request_id or f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        return self.processor.process(request_id, prompt, params, time.time())
+        return self.processor.process(request_id, prompt, params, time.time(), cache_salt)
 
     def shutdown(self) -> None:
         if getattr(self, "client", None) is not None:
@@ -60,7 +68,4 @@ class FrontEnd:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.shutdown()
-
-    def __del__(self) -> None:
         self.shutdown()

@@ -33,12 +33,15 @@ class PreparedRequest:
 class InputProcessor:
     """Tokenize, apply the chat template and validate against the model's limits."""
 
-    def __init__(self, tokenizer, max_model_len: int, eos_token_ids: list[int]) -> None:
+    def __init__(
+        self, tokenizer, max_model_len: int, eos_token_ids: list[int], model_vocab_size: int
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
         self.extra_stop_ids = eos_token_ids[1:]  # e.g. Llama 3's <|eot_id|> besides <|end_of_text|>
-        self.vocab_size = len(tokenizer)
+        # Ids the model can embed and the tokenizer can read back; either may be the larger.
+        self.vocab_size = min(len(tokenizer), model_vocab_size)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -86,7 +89,12 @@ class InputProcessor:
         return msgspec.structs.replace(params, max_tokens=room) if params.max_tokens is None else params
 
     def process(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, arrival_time: float
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        arrival_time: float,
+        cache_salt: str | None = None,
     ) -> PreparedRequest:
         """Validate `prompt` and build its core requests; sample i of a seeded request uses seed + i."""
         prompt_ids = self.tokenize(prompt)
@@ -101,7 +109,9 @@ class InputProcessor:
             seed = None if params.seed is None else params.seed + i
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             sample = msgspec.structs.replace(child, n=1, seed=seed)
-            reqs.append(EngineCoreRequest(rid, prompt_ids, sample, arrival_time, self.eos_token_id))
+            reqs.append(
+                EngineCoreRequest(rid, prompt_ids, sample, arrival_time, self.eos_token_id, cache_salt)
+            )
         return PreparedRequest(
             request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params, reqs
         )

@@ -89,6 +89,7 @@ class CoreReady(msgspec.Struct, tag=True, array_like=True):
     max_model_len: int
     dtype: str
     device: str
+    vocab_size: int  # the model's: token ids at or past it have no embedding
 
 
 class CoreFailed(msgspec.Struct, tag=True, array_like=True):

@@ -73,7 +73,9 @@ class OutputProcessor:
 
     def add_request(self, request: PreparedRequest) -> None:
         request_id = request.request_id
-        if request_id in self.requests:
+        core_ids = [req.request_id for req in request.core_requests]
+        # Samples of n > 1 run as "<id>#<i>": a user id may equal another request's sample id.
+        if request_id in self.requests or any(rid in self.core_to_request for rid in core_ids):
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         first = request.core_requests[0]
         state = _RequestState(request_id, request.prompt, request.prompt_token_ids, first.arrival_time)

@@ -69,6 +69,7 @@ class Scheduler:
         )
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
+        self.num_stale_waiting = 0  # finished requests still in `waiting`, skipped when they reach its front
         self.running: list[Request] = []  # admission order
         self.finished_req_ids: set[str] = set()  # since the last schedule()
         self.num_preemptions = 0
@@ -115,18 +116,18 @@ class Scheduler:
             request_ids = (request_ids,)
         assert status.finished, status
         done: list[Request] = []
-        was_waiting = False
+        num_waiting = 0
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is None or req.status.finished:  # unknown or finished already: idempotent
                 continue
-            was_waiting |= req.status != RequestStatus.RUNNING
+            num_waiting += req.status != RequestStatus.RUNNING
             req.status = status
             done.append(req)
-        self._release(done, was_waiting)
+        self._release(done, num_waiting)
         return done
 
-    def _release(self, done: list[Request], was_waiting: bool) -> None:
+    def _release(self, done: list[Request], num_waiting: int) -> None:
         """Forget finished requests and free their blocks (full ones stay in the prefix cache)."""
         if not done:
             return
@@ -134,9 +135,17 @@ class Scheduler:
             del self.requests[req.request_id]
             self.kv_cache_manager.free(req)
             self.finished_req_ids.add(req.request_id)
-        self.running = [r for r in self.running if not r.status.finished]
-        if was_waiting:  # only then pay for a pass over the (possibly long) waiting queue
+        if len(done) > num_waiting:
+            self.running = [r for r in self.running if not r.status.finished]
+        # Finished waiting requests stay queued until half the queue is stale: O(1) per abort, amortised.
+        self.num_stale_waiting += num_waiting
+        if self.num_stale_waiting > len(self.waiting) // 2:
             self.waiting = deque(r for r in self.waiting if not r.status.finished)
+            self.num_stale_waiting = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) - self.num_stale_waiting
 
     def abort_requests(self, request_ids: str | Iterable[str]) -> list[EngineCoreOutput]:
         """Abort live requests (unknown or finished ids are ignored); one "abort" output per abort."""
@@ -158,7 +167,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=self.num_waiting,
             kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
@@ -212,6 +221,10 @@ class Scheduler:
         waiting = self.waiting
         while not preempted and waiting and budget > 0 and len(running) < cfg.max_num_seqs:
             req = waiting[0]
+            if req.status.finished:  # aborted while it waited
+                waiting.popleft()
+                self.num_stale_waiting -= 1
+                continue
             computed_blocks, num_hit = kv.get_computed_blocks(req)
             n = req.num_tokens - num_hit
             if threshold and n > threshold:
@@ -297,7 +310,7 @@ class Scheduler:
                     num_cached_tokens=self._cached(req, first),
                 )
             )
-        self._release(finished, was_waiting=False)
+        self._release(finished, num_waiting=0)
         return outputs
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:

@@ -214,7 +214,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         sched, kv = self.sched, self.sched.kv_cache_manager
         pool = kv.block_pool
-        running, waiting = sched.running, list(sched.waiting)
+        running, waiting = sched.running, [r for r in sched.waiting if not r.status.finished]
+        assert len(waiting) == sched.num_waiting
         assert len(running) <= self.cfg.max_num_seqs
         assert {r.request_id for r in running + waiting} == set(sched.requests)
         assert len(running) + len(waiting) == len(sched.requests)

@@ -9,12 +9,15 @@ engine first, then listens: the port accepts connections only once the model is 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
+import resource
 import secrets
 import signal
 import socket
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -42,6 +45,7 @@ from server.serving_chat import ChatServing
 from server.serving_completion import CompletionServing
 
 logger = logging.getLogger("kiln.server")
+STATS_MAX_AGE_S = 1.0  # /health and /metrics answer from engine stats at most this old
 
 
 class Routes:
@@ -49,12 +53,28 @@ class Routes:
 
     def __init__(self, serving: Serving) -> None:
         self.s = serving
+        self._stats_call: asyncio.Future | None = None
+        self._stats_at = -float("inf")
+
+    async def stats(self, timeout: float) -> dict:
+        """The engine core's stats, at most STATS_MAX_AGE_S old: a flood of /health or /metrics calls costs
+        the core at most one stats call a second, and concurrent callers share the one in flight."""
+        if time.monotonic() - self._stats_at < STATS_MAX_AGE_S:
+            return self.s.metrics.engine.stats
+        if self._stats_call is None or self._stats_call.done():
+            self._stats_call = asyncio.ensure_future(self._refresh_stats())
+        return await asyncio.wait_for(asyncio.shield(self._stats_call), timeout)
+
+    async def _refresh_stats(self) -> dict:
+        self.s.metrics.engine.stats = await self.s.llm.get_stats()
+        self._stats_at = time.monotonic()
+        return self.s.metrics.engine.stats
 
     async def health(self, request: Request) -> Response:
         """Ready and alive: the engine core answers a stats call (a dead core is noticed within ~0.2 s)."""
         if not self.s.llm.dead:
             try:
-                self.s.metrics.engine.stats = await asyncio.wait_for(self.s.llm.get_stats(), timeout=10.0)
+                await self.stats(timeout=10.0)
             except (EngineDeadError, TimeoutError, RuntimeError) as e:
                 raise APIError(503, f"the engine core is not responding: {self.s.llm.dead or e}") from None
         if self.s.llm.dead:
@@ -87,7 +107,7 @@ class Routes:
 
         if not self.s.llm.dead:
             try:
-                self.s.metrics.engine.stats = await asyncio.wait_for(self.s.llm.get_stats(), timeout=5.0)
+                await self.stats(timeout=5.0)
             except Exception as e:  # keep serving the last known values
                 logger.warning("could not refresh engine stats: %s", e)
         return Response(self.s.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -95,12 +115,13 @@ class Routes:
     async def tokenize(self, request: Request) -> Response:
         b: TokenizeRequest = await self.s.read(request, TokenizeRequest)
         if b.messages is not None:
-            ids = self.s.chat_ids(b.messages, b.add_generation_prompt is not False, None)
+            ids = await self.s.offload(
+                self.s.chat_ids, b.messages, b.add_generation_prompt is not False, None
+            )
         elif b.prompt is not None:
+            special, encode = b.add_special_tokens is not False, self.s.llm.tokenizer.encode
             try:
-                ids = self.s.llm.tokenizer.encode(
-                    b.prompt, add_special_tokens=b.add_special_tokens is not False
-                )
+                ids = await self.s.offload(lambda: encode(b.prompt, add_special_tokens=special))
             except Exception as e:
                 raise APIError(400, f"could not tokenize the prompt: {e}", "prompt") from None
         else:
@@ -138,8 +159,11 @@ def _route(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Reque
     return wrapped
 
 
+GUARDED = ("/metrics", "/tokenize", "/detokenize")  # besides /v1: what they tell of others' requests
+
+
 class _APIKeyMiddleware:
-    """`Authorization: Bearer <key>` on every /v1 route; /health, /metrics, /version stay open."""
+    """`Authorization: Bearer <key>` on every /v1 route and on GUARDED; /health and /version stay open."""
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
@@ -150,7 +174,7 @@ class _APIKeyMiddleware:
         if (
             scope["type"] == "http"
             and scope.get("method") != "OPTIONS"
-            and (path == "/v1" or path.startswith("/v1/"))
+            and (path == "/v1" or path.startswith("/v1/") or path in GUARDED)
         ):
             given = Headers(scope=scope).get("authorization", "").encode()
             if not secrets.compare_digest(given, self.expected):
@@ -174,10 +198,15 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return APIError(500, "internal server error").response()
 
 
-def build_app(llm, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
+def build_app(
+    llm,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    trust_request_chat_template: bool = False,
+) -> Starlette:
     """The HTTP app over an AsyncLLM (or anything with its attributes: tokenizer, processor, max_model_len,
-    model_name, dead, generate, chat_prompt, get_stats)."""
-    serving = Serving(llm, max_body_bytes)
+    model_name, dead, generate, chat_prompt, get_stats, check_capacity)."""
+    serving = Serving(llm, max_body_bytes, trust_request_chat_template)
     misc, completion, chat = Routes(serving), CompletionServing(serving), ChatServing(serving)
     routes = [
         Route("/health", _route(misc.health), methods=["GET"]),
@@ -213,6 +242,17 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def raise_open_file_limit(target: int = 65536) -> int:
+    """Lift the soft limit on open files toward the hard one: each connection holds a descriptor, and
+    a default soft limit of 1024 refuses connections long before the engine is busy. Returns the limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = target if hard == resource.RLIM_INFINITY else min(max(target, soft), hard)
+    if soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
 def serve(
     model: str | None,
     *,
@@ -222,6 +262,7 @@ def serve(
     engine_args: dict[str, Any] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     log_level: str = "info",
+    trust_request_chat_template: bool = False,
 ) -> int:
     import uvicorn
 
@@ -229,13 +270,14 @@ def serve(
     from engine.config import EngineConfig
 
     engine_args = dict(engine_args or {})
-    EngineConfig(model=model, **engine_args)  # bad engine flags fail here, before anything starts
+    c = EngineConfig(model=model, **engine_args)  # bad engine flags fail here, before anything starts
     try:
         sock = _bind(host, port)
     except OSError as e:
         logger.error("cannot listen on %s:%d: %s", host, port, e)
         return 1
     url = f"http://{host if ':' not in host else f'[{host}]'}:{sock.getsockname()[1]}"
+    raise_open_file_limit()
 
     class _Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
@@ -249,8 +291,15 @@ def serve(
     try:
         logger.info("loading the model and warming up the engine; %s opens once it is ready", url)
         llm = AsyncLLM(model, **engine_args)
-        app = build_app(llm, api_key=api_key, max_body_bytes=max_body_bytes)
-        config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5)
+        app = build_app(llm, api_key, max_body_bytes, trust_request_chat_template)
+        config = uvicorn.Config(
+            app,
+            log_level=log_level,
+            access_log=False,
+            timeout_graceful_shutdown=5,
+            # The last line of defence, past the engine's own 429s: connections beyond it get a 503.
+            limit_concurrency=c.max_num_seqs + c.max_pending_requests + 256,
+        )
         _Server(config).run(sockets=[sock])
     except EngineDeadError as e:
         logger.error("the engine failed to start: %s", e)

@@ -71,6 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine_args={**engine_args(args), "served_model_name": args.served_model_name},
         max_body_bytes=args.max_request_body_bytes,
         log_level=args.uvicorn_log_level,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
 
 
@@ -102,6 +103,11 @@ def add_serve_parser(sub) -> None:
     )
     serve.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     serve.add_argument("--uvicorn-log-level", default="info")
+    serve.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests send their own Jinja chat template (chat_template_kwargs.chat_template)",
+    )
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 from starlette.responses import Response
 
-from engine.errors import EngineDeadError, InvalidRequestError
+from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("kiln.server")
@@ -39,14 +39,18 @@ class APIError(Exception):
         param: str | None = None,
         type: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers
 
     def response(self) -> Response:
         info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
-        return json_response(ErrorResponse(error=info), self.status)
+        response = json_response(ErrorResponse(error=info), self.status)
+        response.headers.update(self.headers or {})
+        return response
 
 
 def as_api_error(e: Exception, context: str) -> APIError:
@@ -57,6 +61,10 @@ def as_api_error(e: Exception, context: str) -> APIError:
         return APIError(400, str(e), e.param)
     if isinstance(e, EngineDeadError):
         return APIError(503, f"the engine core died: {e}")
+    if isinstance(e, EngineOverloadedError):
+        return APIError(
+            429, str(e), type="rate_limit_error", code="too_many_requests", headers={"Retry-After": "1"}
+        )
     logger.error("unhandled error %s", context, exc_info=e)
     return APIError(500, "internal server error")
 

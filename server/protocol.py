@@ -19,6 +19,7 @@ class _SamplingRequest(msgspec.Struct, kw_only=True):
     """Fields /v1/completions and /v1/chat/completions share (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
+    cache_salt: str | None = None  # vLLM's: prefixes are shared only between requests of the same salt
     n: int | None = 1
     temperature: float | None = None
     top_p: float | None = None

@@ -1,5 +1,6 @@
-"""What the OpenAI endpoints share: reading and checking a body, HTTP-only limits, generating through the
-engine with metrics, merging several generations, and the SSE stream (its chunk loop: server/streaming.py).
+"""What the OpenAI endpoints share: reading a body (its checks: server/limits.py), tokenizing off the event
+loop, generating through the engine with metrics, merging several generations, and the SSE stream (its
+chunk loop: server/streaming.py).
 
 A request lives in the engine only while its client does: a streaming response is cancelled by
 Starlette when the client goes, a non-streaming one races its generation against the connection's
@@ -10,9 +11,10 @@ which frees its KV blocks and stops computing it.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -24,17 +26,13 @@ from engine.input_processor import PreparedRequest
 from engine.outputs import RequestOutput
 from engine.params import SamplingParams
 from server.errors import APIError, as_api_error, bad_param, encode, short, validation_error
+from server.limits import RequestLimits
 from server.logprobs import TokenStrings
 from server.metrics import RequestTracker, ServerMetrics
-from server.protocol import ChatMessage, UsageInfo, _SamplingRequest
+from server.protocol import ChatMessage, UsageInfo
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
-MAX_N = 128  # samples per prompt
-MAX_CHOICES = 256  # prompts x n in one request
-MAX_LOGPROBS = 20
-MAX_STOP = 64  # stop strings or stop token ids
-_INT32_MAX = 2**31 - 1
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+BODY_TIMEOUT_S = 30.0  # to receive a whole request body
 
 
 class Disconnected(Exception):
@@ -99,18 +97,23 @@ class PromptIds:
         self.text, self.ids = text, ids
 
 
-def _as_token_ids(value: Any) -> list[int] | None:
-    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        return value
-    return None
-
-
 class Serving:
     """The endpoints' shared state (the engine front end, metrics, token strings) and plumbing."""
 
-    def __init__(self, llm, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    def __init__(
+        self, llm, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, trust_request_chat_template: bool = False
+    ) -> None:
         self.llm = llm
         self.max_body_bytes = max_body_bytes
+        self.limits = RequestLimits(
+            llm.max_model_len,
+            getattr(llm.tokenizer, "chat_template", None),
+            llm.check_capacity,
+            trust_request_chat_template,
+        )
+        # Tokenizing and chat templates run on this thread, off the event loop; one thread, so the
+        # tokenizer is never used from two at once (HF fast tokenizers are not safe for that).
+        self.cpu = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kiln-tokenize")
         self.model_name: str = llm.model_name
         self.metrics = ServerMetrics(self.model_name)
         self.tokens = TokenStrings(llm.tokenizer)
@@ -125,15 +128,21 @@ class Serving:
         if too_large and int(length) > 4 * limit:  # type: ignore[arg-type]
             raise self._too_large()
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            too_large = too_large or size > limit
-            if not too_large:
-                chunks.append(chunk)
-            elif size > 4 * limit:
-                break
-            # else: drain what is left of a moderately oversized body, so that the 413 reaches the client
-            # before the connection closes (closing on unread data resets it)
+        try:
+            async with asyncio.timeout(BODY_TIMEOUT_S):  # a client trickling its body holds no slot for long
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    too_large = too_large or size > limit
+                    if not too_large:
+                        chunks.append(chunk)
+                    elif size > 4 * limit:
+                        break
+                    # else: drain what is left of a moderately oversized body, so that the 413 reaches the
+                    # client before the connection closes (closing on unread data resets it)
+        except TimeoutError:
+            raise APIError(
+                408, f"the request body did not arrive within {BODY_TIMEOUT_S} s", code="request_timeout"
+            ) from None
         if too_large:
             raise self._too_large()
         decoder = self._decoders.get(cls)
@@ -164,79 +173,9 @@ class Serving:
                 code="model_not_found",
             )
 
-    def sampling_params(
-        self,
-        b: _SamplingRequest,
-        max_tokens: int | None,
-        logprobs: int | None,
-        max_tokens_param: str = "max_tokens",
-    ) -> SamplingParams:
-        n = 1 if b.n is None else b.n
-        mt = max_tokens_param
-        stop = [b.stop] if isinstance(b.stop, str) else list(b.stop or [])
-        stop_ids = list(b.stop_token_ids or [])
-        checks = [
-            (1 <= n <= MAX_N, "n", f"n must be between 1 and {MAX_N} (got {n})"),
-            (max_tokens is None or max_tokens >= 1, mt, f"{mt} must be at least 1 (got {max_tokens})"),
-            (
-                max_tokens is None or max_tokens <= self.llm.max_model_len,
-                mt,
-                f"{mt}={max_tokens} exceeds the model's context of {self.llm.max_model_len} tokens",
-            ),
-            (
-                logprobs is None or 0 <= logprobs <= MAX_LOGPROBS,
-                "logprobs",
-                f"logprobs must be between 0 and {MAX_LOGPROBS} (got {logprobs})",
-            ),
-            (
-                b.top_k is None or -1 <= b.top_k <= _INT32_MAX,
-                "top_k",
-                f"top_k must be -1, 0 or positive (got {b.top_k})",
-            ),
-            (
-                b.min_tokens is None or 0 <= b.min_tokens <= _INT32_MAX,
-                "min_tokens",
-                f"min_tokens must be non-negative (got {b.min_tokens})",
-            ),
-            (
-                b.seed is None or _INT64_MIN <= b.seed <= _INT64_MAX - MAX_N,
-                "seed",
-                "seed must be a signed 64-bit integer",
-            ),
-            (len(stop) <= MAX_STOP, "stop", f"at most {MAX_STOP} stop strings are allowed"),
-            (len(stop_ids) <= MAX_STOP, "stop_token_ids", f"at most {MAX_STOP} stop token ids are allowed"),
-            (
-                all(0 <= t <= _INT32_MAX for t in stop_ids),
-                "stop_token_ids",
-                "stop_token_ids must be token ids",
-            ),
-        ]
-        for ok, param, message in checks:
-            if not ok:
-                raise APIError(400, message, param)
-        kwargs: dict[str, Any] = dict(
-            n=n,
-            max_tokens=max_tokens,
-            logprobs=logprobs,
-            stop=stop,
-            stop_token_ids=stop_ids,
-            seed=b.seed,
-            temperature=1.0 if b.temperature is None else b.temperature,
-            top_p=1.0 if b.top_p is None else b.top_p,
-            top_k=b.top_k or 0,
-            min_p=b.min_p or 0.0,
-            presence_penalty=b.presence_penalty or 0.0,
-            frequency_penalty=b.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if b.repetition_penalty is None else b.repetition_penalty,
-            min_tokens=b.min_tokens or 0,
-            ignore_eos=bool(b.ignore_eos),
-            include_stop_str_in_output=bool(b.include_stop_str_in_output),
-            skip_special_tokens=True if b.skip_special_tokens is None else b.skip_special_tokens,
-        )
-        try:
-            return SamplingParams(**kwargs)
-        except ValueError as e:
-            raise bad_param(e) from None
+    async def offload(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the tokenizing thread: streams keep flowing while a long prompt is tokenized."""
+        return await asyncio.get_running_loop().run_in_executor(self.cpu, fn, *args)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         try:
@@ -246,10 +185,14 @@ class Serving:
         except Exception as e:  # the tokenizer rejects some strings (lone surrogates)
             raise APIError(400, f"could not tokenize the prompt: {e}", "prompt") from None
 
-    def prepare(self, request_id: str, ids: list[int], params: SamplingParams) -> PreparedRequest:
+    def prepare(
+        self, request_id: str, ids: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> PreparedRequest:
         """Validate a prompt against the model (the engine's one check); nothing is sent yet."""
+        if cache_salt is not None and not 0 < len(cache_salt) <= 256:
+            raise APIError(400, "cache_salt must be a string of 1 to 256 characters", "cache_salt")
         try:
-            return self.llm.process(ids, params, request_id)
+            return self.llm.process(ids, params, request_id, cache_salt)
         except InvalidRequestError as e:
             raise as_api_error(e, "") from None
         except ValueError as e:  # SamplingParams' own checks, with max_tokens resolved

@@ -13,6 +13,7 @@ from starlette.responses import Response
 from engine.outputs import CompletionOutput
 from engine.params import SamplingParams
 from server.errors import APIError, json_response
+from server.limits import MAX_LOGPROBS
 from server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -22,7 +23,7 @@ from server.protocol import (
     ChatResponseMessage,
     DeltaMessage,
 )
-from server.serving import MAX_LOGPROBS, PromptIds, Serving
+from server.serving import PromptIds, Serving
 from server.streaming import ChoiceStream, has_news, usage_options
 
 
@@ -43,14 +44,16 @@ class ChatServing:
             )
         logprobs = (b.top_logprobs or 0) if b.logprobs else None
         mt = "max_completion_tokens" if b.max_completion_tokens is not None else "max_tokens"
-        params = s.sampling_params(b, getattr(b, mt), logprobs, mt)
-        kwargs = dict(b.chat_template_kwargs or {})
+        params = s.limits.sampling_params(b, getattr(b, mt), logprobs, mt)
+        s.limits.check_size(1, params, bool(b.stream))
+        kwargs = s.limits.template_kwargs(b.chat_template_kwargs)
         if b.continue_final_message:
             kwargs["continue_final_message"] = True
         add_generation_prompt = b.add_generation_prompt is not False and not b.continue_final_message
-        prompt = PromptIds(None, s.chat_ids(b.messages, add_generation_prompt, kwargs or None))
+        ids = await s.offload(s.chat_ids, b.messages, add_generation_prompt, kwargs or None)
+        prompt = PromptIds(None, ids)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = s.generate(s.prepare(rid, prompt.ids, params))
+        gen = s.generate(s.prepare(rid, prompt.ids, params, b.cache_salt))
         created = int(time.time())
         if b.stream:
             include_usage, continuous = usage_options(b.stream_options)

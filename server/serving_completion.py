@@ -16,7 +16,7 @@ from engine.outputs import CompletionOutput
 from engine.params import SamplingParams
 from server.errors import APIError, json_response
 from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
-from server.serving import MAX_CHOICES, PromptIds, Serving
+from server.serving import PromptIds, Serving
 from server.streaming import ChoiceStream, has_news, usage_options
 
 
@@ -26,6 +26,13 @@ def _as_token_ids(value: Any) -> list[int] | None:
     return None
 
 
+def _count(prompt: Any) -> int:
+    """How many prompts `prompt` holds, counted before anything is tokenized."""
+    if isinstance(prompt, list) and prompt and _as_token_ids(prompt) is None:
+        return len(prompt)
+    return 1
+
+
 class CompletionServing:
     def __init__(self, serving: Serving) -> None:
         self.s = serving
@@ -33,20 +40,17 @@ class CompletionServing:
     async def create(self, request: Request) -> Response:
         s = self.s
         b: CompletionRequest = await s.read(request, CompletionRequest)
-        prompts = self.prompts(b.prompt)
         max_tokens = 16 if b.max_tokens is msgspec.UNSET else b.max_tokens
-        params = s.sampling_params(b, max_tokens, b.logprobs)  # type: ignore[arg-type]
-        if len(prompts) * params.n > MAX_CHOICES:
-            raise APIError(
-                400, f"prompts x n must be at most {MAX_CHOICES} (got {len(prompts)} x {params.n})", "n"
-            )
+        params = s.limits.sampling_params(b, max_tokens, b.logprobs)  # type: ignore[arg-type]
+        s.limits.check_size(_count(b.prompt), params, bool(b.stream))
+        prompts = await s.offload(self.prompts, b.prompt)
         if b.echo and b.logprobs is not None:
             raise APIError(
                 400, "echo with logprobs is not supported (prompt logprobs are not computed)", "echo"
             )
         rid = f"cmpl-{uuid.uuid4().hex}"
         ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
-        prepared = [s.prepare(r, p.ids, params) for r, p in zip(ids, prompts)]
+        prepared = [s.prepare(r, p.ids, params, b.cache_salt) for r, p in zip(ids, prompts)]
         gens = [s.generate(p) for p in prepared]
         body = functools.partial(
             CompletionResponse, id=rid, object="text_completion", created=int(time.time()), model=s.model_name

@@ -412,3 +412,16 @@ def test_out_is_empty_when_idle():
     s = make()
     out: SchedulerOutput = s.schedule()
     assert out.is_empty and not out.new_reqs and not out.cached_reqs
+
+
+def test_aborting_a_waiting_request_leaves_the_queue_in_place_until_half_of_it_is_stale():
+    s = make(max_num_seqs=2)
+    for i in range(10):
+        add(s, f"r{i}", 6)
+    queue = s.waiting
+    assert [o.request_id for o in s.abort_requests(["r0", "r3"])] == ["r0", "r3"]
+    assert s.waiting is queue and s.num_waiting == 8 == s.stats().num_waiting  # no pass over the queue
+    out, _ = step(s)
+    assert sorted(out.num_scheduled_tokens) == ["r1", "r2"]  # the aborted one at the front is skipped
+    s.abort_requests(["r4", "r5", "r6", "r7"])
+    assert [r.request_id for r in s.waiting] == ["r8", "r9"] and s.num_waiting == 2  # compacted

@@ -13,18 +13,21 @@ import logging
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import msgspec
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, EngineOverloadedError
 from engine.input_processor import InputProcessor
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from server import serving
 from server.api import build_app
 
 MODEL = "fake-model"
@@ -34,7 +37,7 @@ EOS = 256
 class ByteTokenizer:
     """One token per UTF-8 byte, plus an EOS; enough of a Hugging Face tokenizer for the server."""
 
-    chat_template = "role: content"
+    chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}{% endfor %}{{ style }}"
     eos_token_id = EOS
     all_special_ids = (EOS,)
 
@@ -51,7 +54,7 @@ class ByteTokenizer:
         return "<eos>" if token_id == EOS else f"<0x{token_id:02X}>"
 
     def apply_chat_template(self, conversation, add_generation_prompt=True, tokenize=False, **kwargs) -> str:
-        if set(kwargs) - {"continue_final_message", "style"}:
+        if set(kwargs) - {"continue_final_message", "style", "chat_template"}:
             raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
         text = "".join(f"{m['role']}: {m['content']}\n" for m in conversation)
         return text + ("assistant: " if add_generation_prompt else "")
@@ -64,17 +67,22 @@ class FakeLLM:
         self.tokenizer = ByteTokenizer()
         self.max_model_len = max_model_len
         self.model_name = MODEL
-        self.processor = InputProcessor(self.tokenizer, max_model_len, [EOS])
+        self.processor = InputProcessor(self.tokenizer, max_model_len, [EOS], len(self.tokenizer))
         self.dead: str | None = None
         self.step_s = step_s
         self.running: set[str] = set()
         self.aborted: list[str] = []
+        self.capacity = 1 << 30
 
     def chat_prompt(self, conversation, add_generation_prompt=True, chat_template_kwargs=None) -> list[int]:
         text = self.tokenizer.apply_chat_template(
             conversation, add_generation_prompt, tokenize=False, **(chat_template_kwargs or {})
         )
         return self.tokenizer.encode(text)
+
+    def check_capacity(self, count: int = 1) -> None:
+        if len(self.running) + count > self.capacity:
+            raise EngineOverloadedError(f"{len(self.running)} requests are in flight")
 
     async def get_stats(self) -> dict:
         return dict(
@@ -86,8 +94,8 @@ class FakeLLM:
             num_preemptions=0,
         )
 
-    def process(self, prompt, params, request_id=None):
-        return self.processor.process(request_id or "req", prompt, params, time.time())
+    def process(self, prompt, params, request_id=None, cache_salt=None):
+        return self.processor.process(request_id or "req", prompt, params, time.time(), cache_salt)
 
     async def generate(self, request):
         if self.dead:
@@ -162,7 +170,7 @@ def sse(text: str) -> list[dict]:
     return [json.loads(e) for e in events[:-1]]
 
 
-def test_api_key_guards_v1_routes_only(fake):
+def test_api_key_guards_v1_routes_metrics_and_tokenizing(fake):
     with TestClient(build_app(fake, api_key="sekret")) as c:
         for method, path in [
             ("GET", "/v1/models"),
@@ -182,8 +190,14 @@ def test_api_key_guards_v1_routes_only(fake):
             headers={"Authorization": "Bearer sekret"},
         )
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ab"
-        for path in ("/health", "/metrics", "/version"):
+        for path in ("/health", "/version"):
             assert c.get(path).status_code == 200
+        # What tells of other clients' requests (prefix-cache hits, token strings) needs the key too.
+        assert_error(c.get("/metrics"), 401)
+        assert c.get("/metrics", headers={"Authorization": "Bearer sekret"}).status_code == 200
+        for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [104]})):
+            assert_error(c.post(path, json=body), 401)
+            assert c.post(path, json=body, headers={"Authorization": "Bearer sekret"}).status_code == 200
 
 
 def test_body_over_the_limit_is_413_and_the_server_keeps_serving(fake):
@@ -586,3 +600,173 @@ def test_serve_fails_fast_on_a_taken_port():
         r = _serve("--port", str(s.getsockname()[1]))
     assert r.returncode == 1 and "cannot listen on 127.0.0.1" in r.stderr and "Traceback" not in r.stderr
     assert time.monotonic() - start < 30  # no model was loaded first
+
+
+def test_health_and_metrics_floods_cost_the_core_one_stats_call(fake, monkeypatch):
+    calls = []
+    real = fake.get_stats
+
+    async def counted():
+        calls.append(time.monotonic())
+        await asyncio.sleep(0.05)  # a round trip to the core
+        return await real()
+
+    monkeypatch.setattr(fake, "get_stats", counted)
+    app = build_app(fake)
+
+    async def flood():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            paths = ["/health", "/metrics"] * 50
+            rs = await asyncio.gather(*(c.get(p) for p in paths))
+            assert all(r.status_code == 200 for r in rs)
+            assert "kiln:num_requests_running" in rs[1].text
+            assert len(calls) == 1  # all shared the one call in flight, then its answer
+            await asyncio.sleep(1.1)
+            assert (await c.get("/health")).status_code == 200
+            assert len(calls) == 2  # older than a second: asked again
+
+    asyncio.run(flood())
+
+
+def test_amplifying_requests_are_refused_before_any_tokenizing(monkeypatch):
+    fake = FakeLLM(max_model_len=4096)
+    tokenized = []
+    real = fake.processor.tokenize
+    monkeypatch.setattr(fake.processor, "tokenize", lambda p: tokenized.append(p) or real(p))
+    with TestClient(build_app(fake), raise_server_exceptions=False) as c:
+        many = {"prompt": ["hello"] * 200, "n": 2, "max_tokens": 1}
+        assert "prompts x n" in assert_error(c.post("/v1/completions", json=many), 400, "n")["message"]
+        assert tokenized == []
+        long_stop = {"prompt": "hi", "stop": ["x" * 1025], "max_tokens": 1}
+        assert_error(c.post("/v1/completions", json=long_stop), 400, "stop")
+        huge = {"prompt": "hi", "n": 16, "max_tokens": 4096, "logprobs": 20}
+        err = assert_error(c.post("/v1/completions", json=huge), 400, "logprobs")
+        assert "1376256 logprob entries" in err["message"]
+        chat = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "n": 16,
+            "logprobs": True,
+            "top_logprobs": 20,
+        }
+        assert_error(c.post("/v1/chat/completions", json=chat), 400, "logprobs")
+        assert tokenized == []
+        ok = {"prompt": "hi", "n": 2, "max_tokens": 8, "logprobs": 20, "stop": ["y" * 1024]}
+        assert c.post("/v1/completions", json=ok).status_code == 200
+
+
+def test_a_full_engine_answers_429_with_retry_after_before_any_stream_starts():
+    fake = FakeLLM(step_s=0.05)
+    fake.capacity = 1
+
+    async def go():
+        transport = httpx.ASGITransport(app=build_app(fake))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            first = asyncio.ensure_future(c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8}))
+            while not fake.running:
+                await asyncio.sleep(0.01)
+            for body in ({"prompt": "hi"}, {"prompt": "hi", "stream": True}):
+                r = await c.post("/v1/completions", json=body)
+                assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+                assert r.json()["error"]["type"] == "rate_limit_error"
+            chat = {"messages": [{"role": "user", "content": "hi"}]}
+            assert (await c.post("/v1/chat/completions", json=chat)).status_code == 429
+            assert (await first).status_code == 200
+            assert (
+                await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+            ).status_code == 200
+
+    asyncio.run(go())
+
+
+def test_a_body_that_trickles_in_is_refused_after_the_read_timeout(fake, monkeypatch):
+    monkeypatch.setattr(serving, "BODY_TIMEOUT_S", 0.3)
+
+    async def trickle():
+        yield b'{"prompt": '
+        await asyncio.sleep(1.0)
+        yield b'"hi"}'
+
+    async def go():
+        transport = httpx.ASGITransport(app=build_app(fake))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            r = await c.post("/v1/completions", content=trickle())
+            assert_error(r, 408)
+            assert (
+                await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+            ).status_code == 200
+
+    asyncio.run(go())
+
+
+def test_serving_lifts_the_soft_open_file_limit():
+    import resource
+
+    from server.api import raise_open_file_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
+    try:
+        assert raise_open_file_limit() == (65536 if hard == resource.RLIM_INFINITY else min(65536, hard))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_chat_template_kwargs_reach_only_the_templates_own_variables(fake):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    loop = "{% for i in range(10**9) %}x{% endfor %}"
+    with TestClient(build_app(fake), raise_server_exceptions=False) as c:
+        r = c.post("/v1/chat/completions", json={**chat, "chat_template_kwargs": {"chat_template": loop}})
+        assert "trust-request-chat-template" in assert_error(r, 400, "chat_template_kwargs")["message"]
+        r = c.post("/v1/chat/completions", json={**chat, "chat_template_kwargs": {"tokenize": True}})
+        assert_error(r, 400, "chat_template_kwargs")
+        # `style` is the template's; `unknown` is dropped (the fake's template call would reject it)
+        kwargs = {"style": "terse", "unknown": 1}
+        assert (
+            c.post("/v1/chat/completions", json={**chat, "chat_template_kwargs": kwargs}).status_code == 200
+        )
+    with TestClient(build_app(fake, trust_request_chat_template=True)) as c:
+        mine = {"chat_template": "{{ messages[0].content }}{{ style }}", "style": "ok", "other": "dropped"}
+        assert c.post("/v1/chat/completions", json={**chat, "chat_template_kwargs": mine}).status_code == 200
+
+
+def test_cache_salt_reaches_the_engine_and_an_empty_one_is_refused(client, fake, monkeypatch):
+    seen = []
+    real = fake.process
+    monkeypatch.setattr(fake, "process", lambda *a: seen.append(a[3]) or real(*a))
+    body = {"prompt": "hi", "max_tokens": 1}
+    assert client.post("/v1/completions", json={**body, "cache_salt": "tenant-1"}).status_code == 200
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "cache_salt": "tenant-2"}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    assert seen == ["tenant-1", "tenant-2"]
+    assert_error(client.post("/v1/completions", json={**body, "cache_salt": ""}), 400, "cache_salt")
+
+
+def test_tokenizing_runs_off_the_event_loop(monkeypatch):
+    """A prompt being tokenized holds nobody else: /health answers meanwhile."""
+    fake = FakeLLM()
+    started, release = threading.Event(), threading.Event()
+    real = fake.tokenizer.encode
+
+    def slow(text, add_special_tokens=True):
+        if text == "slow":
+            started.set()
+            release.wait(5)
+        return real(text, add_special_tokens)
+
+    monkeypatch.setattr(fake.tokenizer, "encode", slow)
+
+    async def go():
+        transport = httpx.ASGITransport(app=build_app(fake))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            pending = asyncio.ensure_future(
+                c.post("/v1/completions", json={"prompt": "slow", "max_tokens": 1})
+            )
+            while not started.is_set():
+                await asyncio.sleep(0.01)
+            assert (await c.get("/health")).status_code == 200
+            assert not pending.done()  # still tokenizing, on its thread
+            release.set()
+            assert (await pending).status_code == 200
+
+    asyncio.run(go())

@@ -1,0 +1,200 @@
+"""What one request may ask of the server: every limit a body is checked against before any work is
+done for it, and the refusal each one gives (README's table lists them). Checked in the order of their
+cost: counts and sizes first, then tokenizing (server/serving.py), then the engine's own validation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from engine.errors import EngineOverloadedError
+from engine.params import SamplingParams
+from server.errors import APIError, as_api_error, bad_param
+from server.protocol import _SamplingRequest
+
+MAX_N = 128  # samples per prompt
+MAX_CHOICES = 256  # prompts x n in one request
+MAX_LOGPROBS = 20
+MAX_STOP = 64  # stop strings or stop token ids
+MAX_STOP_CHARS = 1024  # each stop string: every new token is searched for each of them
+# Logprob entries one whole (not streamed) response may hold: prompts x n x max_tokens x (top-N + 1).
+MAX_LOGPROB_ENTRIES = 1 << 20
+_INT32_MAX = 2**31 - 1
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+# apply_chat_template's own parameters: a request's chat_template_kwargs may not set them.
+TEMPLATE_CALL_PARAMS = frozenset(
+    [
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    ]
+)
+
+
+def template_variables(template: str | None) -> frozenset[str] | None:
+    """The variables a chat template reads, or None where jinja cannot parse it without transformers'
+    extensions (then every name but TEMPLATE_CALL_PARAMS passes)."""
+    import jinja2
+    import jinja2.meta
+
+    if template is None:
+        return frozenset()
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template)))
+    except jinja2.TemplateSyntaxError:
+        return None
+
+
+class RequestLimits:
+    """The checks of one server: its model's context, the engine's room (`check_capacity`), and whether
+    requests may bring their own chat template."""
+
+    def __init__(
+        self,
+        max_model_len: int,
+        chat_template: str | None,
+        check_capacity: Callable[[int], None],
+        trust_request_chat_template: bool = False,
+    ) -> None:
+        self.max_model_len, self.check_capacity = max_model_len, check_capacity
+        self.trust_request_chat_template = trust_request_chat_template
+        self.template_variables = template_variables(chat_template)
+
+    def sampling_params(
+        self,
+        b: _SamplingRequest,
+        max_tokens: int | None,
+        logprobs: int | None,
+        max_tokens_param: str = "max_tokens",
+    ) -> SamplingParams:
+        n = 1 if b.n is None else b.n
+        mt = max_tokens_param
+        stop = [b.stop] if isinstance(b.stop, str) else list(b.stop or [])
+        stop_ids = list(b.stop_token_ids or [])
+        checks = [
+            (1 <= n <= MAX_N, "n", f"n must be between 1 and {MAX_N} (got {n})"),
+            (max_tokens is None or max_tokens >= 1, mt, f"{mt} must be at least 1 (got {max_tokens})"),
+            (
+                max_tokens is None or max_tokens <= self.max_model_len,
+                mt,
+                f"{mt}={max_tokens} exceeds the model's context of {self.max_model_len} tokens",
+            ),
+            (
+                logprobs is None or 0 <= logprobs <= MAX_LOGPROBS,
+                "logprobs",
+                f"logprobs must be between 0 and {MAX_LOGPROBS} (got {logprobs})",
+            ),
+            (
+                b.top_k is None or -1 <= b.top_k <= _INT32_MAX,
+                "top_k",
+                f"top_k must be -1, 0 or positive (got {b.top_k})",
+            ),
+            (
+                b.min_tokens is None or 0 <= b.min_tokens <= _INT32_MAX,
+                "min_tokens",
+                f"min_tokens must be non-negative (got {b.min_tokens})",
+            ),
+            (
+                b.seed is None or _INT64_MIN <= b.seed <= _INT64_MAX - MAX_N,
+                "seed",
+                "seed must be a signed 64-bit integer",
+            ),
+            (len(stop) <= MAX_STOP, "stop", f"at most {MAX_STOP} stop strings are allowed"),
+            (
+                all(len(s) <= MAX_STOP_CHARS for s in stop),
+                "stop",
+                f"a stop string may be at most {MAX_STOP_CHARS} characters long",
+            ),
+            (len(stop_ids) <= MAX_STOP, "stop_token_ids", f"at most {MAX_STOP} stop token ids are allowed"),
+            (
+                all(0 <= t <= _INT32_MAX for t in stop_ids),
+                "stop_token_ids",
+                "stop_token_ids must be token ids",
+            ),
+        ]
+        for ok, param, message in checks:
+            if not ok:
+                raise APIError(400, message, param)
+        kwargs: dict[str, Any] = dict(
+            n=n,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            stop=stop,
+            stop_token_ids=stop_ids,
+            seed=b.seed,
+            temperature=1.0 if b.temperature is None else b.temperature,
+            top_p=1.0 if b.top_p is None else b.top_p,
+            top_k=b.top_k or 0,
+            min_p=b.min_p or 0.0,
+            presence_penalty=b.presence_penalty or 0.0,
+            frequency_penalty=b.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if b.repetition_penalty is None else b.repetition_penalty,
+            min_tokens=b.min_tokens or 0,
+            ignore_eos=bool(b.ignore_eos),
+            include_stop_str_in_output=bool(b.include_stop_str_in_output),
+            skip_special_tokens=True if b.skip_special_tokens is None else b.skip_special_tokens,
+        )
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as e:
+            raise bad_param(e) from None
+
+    def check_size(self, prompts: int, params: SamplingParams, stream: bool) -> None:
+        """Refuse, before any tokenizing, a request whose answer would be too large to build, or that
+        the engine has no room for (429, before a stream's headers are sent)."""
+        if prompts * params.n > MAX_CHOICES:
+            raise APIError(
+                400, f"prompts x n must be at most {MAX_CHOICES} (got {prompts} x {params.n})", "n"
+            )
+        if params.logprobs is not None and not stream:
+            entries = prompts * params.n * (params.max_tokens or self.max_model_len) * (params.logprobs + 1)
+            if entries > MAX_LOGPROB_ENTRIES:
+                raise APIError(
+                    400,
+                    f"prompts x n x max_tokens x (logprobs + 1) = {entries} logprob entries exceeds the "
+                    f"{MAX_LOGPROB_ENTRIES} one response may hold: stream it, or ask for fewer",
+                    "logprobs",
+                )
+        try:
+            self.check_capacity(prompts)
+        except EngineOverloadedError as e:
+            raise as_api_error(e, "") from None
+
+    def template_kwargs(self, given: dict | None) -> dict:
+        """A request's chat_template_kwargs, kept to the chat template's own variables: a request sends
+        no template of its own (Jinja from anyone is a denial of service) unless the server trusts
+        request templates, and sets none of apply_chat_template's parameters. Other names are dropped."""
+        given = dict(given or {})
+        template = given.pop("chat_template", None)
+        if template is not None and not self.trust_request_chat_template:
+            raise APIError(
+                400,
+                "chat_template_kwargs.chat_template: this server renders only its model's chat template "
+                "(kiln serve --trust-request-chat-template accepts a request's own)",
+                "chat_template_kwargs",
+            )
+        for name in given:
+            if name in TEMPLATE_CALL_PARAMS:
+                raise APIError(
+                    400,
+                    f"chat_template_kwargs may not set {name!r}, a parameter of the call itself",
+                    "chat_template_kwargs",
+                )
+        variables = self.template_variables if template is None else template_variables(template)
+        kept = {k: v for k, v in given.items() if variables is None or k in variables}
+        return kept if template is None else {**kept, "chat_template": template}

@@ -132,6 +132,11 @@ class AsyncLLM(FrontEnd):
                 "retry later"
             )
 
+    def fail_all(self, error: BaseException) -> None:
+        """End every request in flight with `error`; their streams close and abort them in the core."""
+        for queue in self.queues.values():
+            queue.put(error)
+
     async def abort(self, request_id: str) -> None:
         self.client.abort_requests(self.output_processor.abort(request_id))
         queue = self.queues.get(request_id)

@@ -217,18 +217,27 @@ class EngineCoreProc:
 
 
 def _die_with_parent(parent: int) -> None:
-    """Ask the kernel to SIGTERM us when the front end (pid `parent`) exits, however it exits: no orphans."""
+    """Ask the kernel to SIGKILL us when the front end (pid `parent`) exits, however it exits: no orphans."""
     PR_SET_PDEATHSIG = 1
     with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     # Reparented: the front end died before prctl took effect. (A front end may itself be pid 1.)
     if os.getppid() != parent:
         sys.exit(1)
 
 
 def main() -> None:
-    _die_with_parent(int(sys.argv[3]))
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    parent = int(sys.argv[3])
+    _die_with_parent(parent)
+
+    def on_sigterm(*_: object) -> None:
+        # A SIGTERM to the whole process group (a supervisor, Ctrl-\\) reaches us too: while the front end
+        # lives it drains its requests and then stops us itself.
+        if os.getppid() != parent:
+            sys.exit(0)
+        logging.getLogger("kiln.core").info("SIGTERM: the front end will stop the engine once it has drained")
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
     logging.basicConfig(
         level=os.environ.get("KILN_LOG_LEVEL", "INFO"),

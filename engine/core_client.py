@@ -121,14 +121,11 @@ class CoreClient:
 
 
 def _release(proc: subprocess.Popen, ctx: zmq.Context, ipc_dir: str) -> None:
-    """Stop the core process (SIGTERM, then SIGKILL) and close every socket without lingering."""
+    """Stop the core process if it still runs (a clean stop is `shutdown`'s) and close every socket
+    without lingering."""
     if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        proc.kill()
+        proc.wait()
     if not ctx.closed:
         ctx.destroy(linger=0)
     shutil.rmtree(ipc_dir, ignore_errors=True)

@@ -71,7 +71,10 @@ class Routes:
         return self.s.metrics.engine.stats
 
     async def health(self, request: Request) -> Response:
-        """Ready and alive: the engine core answers a stats call (a dead core is noticed within ~0.2 s)."""
+        """Ready and alive: the engine core answers a stats call (a dead core is noticed within ~0.2 s).
+        503 while the server drains for shutdown, so a load balancer sends nothing new."""
+        if self.s.draining:
+            raise APIError(503, "the server is shutting down")
         if not self.s.llm.dead:
             try:
                 await self.stats(timeout=10.0)
@@ -263,6 +266,8 @@ def serve(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     log_level: str = "info",
     trust_request_chat_template: bool = False,
+    shutdown_timeout: float = 30.0,
+    exit_on_engine_death: bool = False,
 ) -> int:
     import uvicorn
 
@@ -280,10 +285,43 @@ def serve(
     raise_open_file_limit()
 
     class _Server(uvicorn.Server):
+        exit_code = 0
+
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
             if self.started:
                 logger.info("serving %s at %s (Ctrl-C to stop)", llm.model_name, url)
+                if exit_on_engine_death:
+                    self.watch = asyncio.get_running_loop().create_task(self.exit_when_engine_dies())
+
+        async def exit_when_engine_dies(self) -> None:
+            while not self.should_exit:
+                if llm.dead:
+                    logger.error(
+                        "the engine core died (%s): exiting, as --exit-on-engine-death asks", llm.dead
+                    )
+                    self.exit_code, self.should_exit = 1, True
+                await asyncio.sleep(0.5)
+
+        def handle_exit(self, sig: int, frame) -> None:
+            if serving.draining or not self.started:  # a second signal, or none served yet: stop now
+                super().handle_exit(sig, frame)
+                return
+            serving.draining = True
+            loop = asyncio.get_event_loop()
+            loop.call_soon_threadsafe(lambda: loop.create_task(self.drain()))
+
+        async def drain(self) -> None:
+            """Let requests in flight finish (new ones get 503, /health too); a second before the deadline
+            end the rest with an error event, then stop."""
+            logger.info("draining %d requests for at most %.0f s", len(llm.queues), shutdown_timeout)
+            deadline = time.monotonic() + max(shutdown_timeout - 1, 0)
+            while llm.queues and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            if llm.queues:
+                llm.fail_all(APIError(503, "the server is shutting down"))
+                await asyncio.sleep(0.5)  # time for the error events to go out
+            self.should_exit = True
 
     # uvicorn re-raises the signal it stopped for once it is done; make SIGTERM unwind through `finally`.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -292,15 +330,19 @@ def serve(
         logger.info("loading the model and warming up the engine; %s opens once it is ready", url)
         llm = AsyncLLM(model, **engine_args)
         app = build_app(llm, api_key, max_body_bytes, trust_request_chat_template)
+        serving = app.state.server
         config = uvicorn.Config(
             app,
             log_level=log_level,
             access_log=False,
-            timeout_graceful_shutdown=5,
+            timeout_graceful_shutdown=1,  # after the drain: only idle connections are left
             # The last line of defence, past the engine's own 429s: connections beyond it get a 503.
             limit_concurrency=c.max_num_seqs + c.max_pending_requests + 256,
         )
-        _Server(config).run(sockets=[sock])
+        server = _Server(config)
+        server.run(sockets=[sock])
+        if server.exit_code:
+            return server.exit_code
     except EngineDeadError as e:
         logger.error("the engine failed to start: %s", e)
         return 1

@@ -72,6 +72,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_request_body_bytes,
         log_level=args.uvicorn_log_level,
         trust_request_chat_template=args.trust_request_chat_template,
+        shutdown_timeout=args.shutdown_timeout,
+        exit_on_engine_death=args.exit_on_engine_death,
     )
 
 
@@ -103,6 +105,17 @@ def add_serve_parser(sub) -> None:
     )
     serve.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     serve.add_argument("--uvicorn-log-level", default="info")
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds requests in flight get to finish after SIGTERM or Ctrl-C, then end with an error",
+    )
+    serve.add_argument(
+        "--exit-on-engine-death",
+        action="store_true",
+        help="exit (code 1) when the engine core dies, for a supervisor to restart; default: answer 503",
+    )
     serve.add_argument(
         "--trust-request-chat-template",
         action="store_true",

@@ -105,6 +105,7 @@ class Serving:
     ) -> None:
         self.llm = llm
         self.max_body_bytes = max_body_bytes
+        self.draining = False  # set once shutdown begins
         self.limits = RequestLimits(
             llm.max_model_len,
             getattr(llm.tokenizer, "chat_template", None),
@@ -122,6 +123,8 @@ class Serving:
 
     async def read(self, request: Request, cls: type) -> Any:
         """The body decoded as `cls`, whose `model`, if given, must be the one this server serves."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down")
         limit = self.max_body_bytes
         length = request.headers.get("content-length")
         too_large = length is not None and length.isdigit() and int(length) > limit

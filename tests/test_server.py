@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from server.bench.serve import launch
+from tests.conftest import engine_core_of
 from tests.test_server_app import METRIC_NAMES, ROUTES, assert_error, check_response
 
 pytestmark = pytest.mark.slow
@@ -445,6 +447,66 @@ def test_random_bodies_never_500(http, route, data):
     check_response(http.post(route, content=msgspec.json.encode(body)))
 
 
+DEEP = b"[" * 5000 + b"]" * 5000
+NASTY = [
+    (C, {"prompt": "hi", "stop": ["x" * 100_000]}),
+    (C, {"prompt": "hi", "stop": ["y" * 1024] * 64, "max_tokens": 2}),
+    (C, {"prompt": "hi", "n": 10**6}),
+    (C, {"prompt": [1, 49152, 60_000]}),  # past the vocabulary
+    (C, {"prompt": [[1, 2]] * 300, "max_tokens": 1}),  # prompts x n
+    (C, {"prompt": "hi", "n": 128, "max_tokens": 2000, "logprobs": 20}),  # a gigabyte of logprobs
+    (C, {"prompt": "hi", "cache_salt": ""}),
+    (
+        CHAT,
+        {
+            "messages": USER,
+            "chat_template_kwargs": {"chat_template": "{% for i in range(10**9) %}x{% endfor %}"},
+        },
+    ),
+    (CHAT, {"messages": USER, "chat_template_kwargs": {"tokenize": True, "padding": "max_length"}}),
+    (CHAT, {"messages": [{"role": "user", "content": "x" * 300_000}]}),
+]
+
+
+def _greedy(http) -> str:
+    body = {"prompt": "The history of the kiln", "max_tokens": 24, "temperature": 0, "stream": True}
+    with http.stream("POST", C, json=body) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+
+
+def test_bad_input_costs_a_greedy_stream_running_beside_it_nothing(http):
+    reference, texts, stop = _greedy(http), [], threading.Event()
+
+    def keep_streaming() -> None:
+        while not stop.is_set():
+            texts.append(_greedy(http))
+
+    @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(
+        nasty=st.sampled_from(range(len(NASTY) + 1)), route=st.sampled_from(sorted(ROUTES)), data=st.data()
+    )
+    def bodies(nasty, route, data):
+        if nasty == len(NASTY):  # deep JSON, then a random body of any route
+            assert_error(http.post(C, content=DEEP, headers={"Content-Type": "application/json"}), 400)
+            body = _cheap(data.draw(ROUTES[route]))
+            if isinstance(body, dict) and body.get("model") == "fake-model":
+                body["model"] = MODEL
+            check_response(http.post(route, content=msgspec.json.encode(body)))
+        else:
+            path, body = NASTY[nasty]
+            check_response(http.post(path, json=body))
+
+    thread = threading.Thread(target=keep_streaming)
+    thread.start()
+    try:
+        bodies()
+    finally:
+        stop.set()
+        thread.join(60)
+    assert len(texts) >= 2 and all(t == reference for t in texts), (reference, texts)
+
+
 def test_still_serving_after_everything(server, http, client):
     r = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=4, temperature=0)
     assert r.choices[0].text and r.usage.completion_tokens == 4
@@ -454,22 +516,9 @@ def test_still_serving_after_everything(server, http, client):
     ]
 
 
-def _engine_core_of(proc: subprocess.Popen) -> int:
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmd = (entry / "cmdline").read_bytes()
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            if b"engine.core" in cmd and ppid == proc.pid:
-                return int(entry.name)
-    raise AssertionError("no engine core process under the server")
-
-
 def test_engine_death_is_503_not_a_hang(server, http):
     """Last in the module: it kills the server's engine core."""
-    os.kill(_engine_core_of(server.proc), signal.SIGKILL)
+    os.kill(engine_core_of(server.proc.pid), signal.SIGKILL)
     deadline = time.monotonic() + 10
     while (
         r := httpx.get(server.url + "/health", timeout=15)

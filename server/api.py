@@ -206,10 +206,11 @@ def build_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     trust_request_chat_template: bool = False,
+    sanitize_special_tokens: bool = False,
 ) -> Starlette:
     """The HTTP app over an AsyncLLM (or anything with its attributes: tokenizer, processor, max_model_len,
     model_name, dead, generate, chat_prompt, get_stats, check_capacity)."""
-    serving = Serving(llm, max_body_bytes, trust_request_chat_template)
+    serving = Serving(llm, max_body_bytes, trust_request_chat_template, sanitize_special_tokens)
     misc, completion, chat = Routes(serving), CompletionServing(serving), ChatServing(serving)
     routes = [
         Route("/health", _route(misc.health), methods=["GET"]),
@@ -266,6 +267,7 @@ def serve(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     log_level: str = "info",
     trust_request_chat_template: bool = False,
+    sanitize_special_tokens: bool = False,
     shutdown_timeout: float = 30.0,
     exit_on_engine_death: bool = False,
 ) -> int:
@@ -329,7 +331,7 @@ def serve(
     try:
         logger.info("loading the model and warming up the engine; %s opens once it is ready", url)
         llm = AsyncLLM(model, **engine_args)
-        app = build_app(llm, api_key, max_body_bytes, trust_request_chat_template)
+        app = build_app(llm, api_key, max_body_bytes, trust_request_chat_template, sanitize_special_tokens)
         serving = app.state.server
         config = uvicorn.Config(
             app,

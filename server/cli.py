@@ -72,6 +72,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_request_body_bytes,
         log_level=args.uvicorn_log_level,
         trust_request_chat_template=args.trust_request_chat_template,
+        sanitize_special_tokens=args.sanitize_special_tokens,
         shutdown_timeout=args.shutdown_timeout,
         exit_on_engine_death=args.exit_on_engine_death,
     )
@@ -115,6 +116,12 @@ def add_serve_parser(sub) -> None:
         "--exit-on-engine-death",
         action="store_true",
         help="exit (code 1) when the engine core dies, for a supervisor to restart; default: answer 503",
+    )
+    serve.add_argument(
+        "--sanitize-special-tokens",
+        action="store_true",
+        help="remove special-token strings (e.g. <|im_start|>) from chat message content, so that a user "
+        "cannot type role markers; default: kept, as vLLM does",
     )
     serve.add_argument(
         "--trust-request-chat-template",

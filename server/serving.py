@@ -97,13 +97,26 @@ class PromptIds:
         self.text, self.ids = text, ids
 
 
+def special_strings(tokenizer) -> list[str]:
+    """Every special token's text, longest first (so none is left half removed)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+    found = {*getattr(tokenizer, "all_special_tokens", []), *(t.content for t in added if t.special)}
+    return sorted((s for s in found if s), key=len, reverse=True)
+
+
 class Serving:
     """The endpoints' shared state (the engine front end, metrics, token strings) and plumbing."""
 
     def __init__(
-        self, llm, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, trust_request_chat_template: bool = False
+        self,
+        llm,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        trust_request_chat_template: bool = False,
+        sanitize_special_tokens: bool = False,
     ) -> None:
         self.llm = llm
+        # Special-token strings typed into message content would become real role markers.
+        self.special_strings = special_strings(llm.tokenizer) if sanitize_special_tokens else []
         self.max_body_bytes = max_body_bytes
         self.draining = False  # set once shutdown begins
         self.limits = RequestLimits(
@@ -232,6 +245,8 @@ class Serving:
                 if role != "assistant":
                     raise APIError(400, f"messages[{i}].content is required", f"messages[{i}].content")
                 content = ""
+            for special in self.special_strings:
+                content = content.replace(special, "")
             conversation.append({"role": role, "content": content})
         try:
             return self.llm.chat_prompt(conversation, add_generation_prompt, kwargs)

@@ -108,7 +108,8 @@ class CompilePolicy:
         if self.eager:
             return []
         chunk, context = min(WARMUP_CHUNK, max_model_len - 1), min(WARMUP_CONTEXT, max_model_len)
-        prefill = [WarmupStep(2, (chunk,), context, 1), WarmupStep(2, (chunk, 2), context, 1)]
+        rows = min(2, batch.buckets[-1])  # decode rows beside the chunks: padded to two either way
+        prefill = [WarmupStep(rows, (chunk,), context, 1), WarmupStep(rows, (chunk, 2), context, 1)]
         if self.device.type != "cuda":
             # One row and more are the only CPU decode graphs; their width is a dynamic size.
             return [WarmupStep(b, (), context, 1) for b in batch.buckets[:2]] + prefill

@@ -118,3 +118,13 @@ def test_flags_leave_out_settings_the_running_torch_lacks(monkeypatch):
     with compile_policy.flags():
         assert torch._dynamo.config.specialize_float is True
     assert not hasattr(torch._dynamo.config, "a_setting_no_torch_has")
+
+
+def test_every_warmup_step_fits_a_batch_of_one_sequence(tiny_llama, monkeypatch):
+    runner = build_runner(tiny_llama, dtype="float32", max_num_seqs=1, num_kv_blocks=16, enforce_eager=True)
+    cpu = CompilePolicy(runner.model, torch.device("cpu"), enforce_eager=False)
+    cuda, _ = cuda_policy(runner, monkeypatch)
+    for policy in (cpu, cuda):
+        batch = InputBatch(1, runner.max_blocks_per_seq, runner.block_size, policy.device)
+        plan = policy.warmup_shapes(batch, runner.max_model_len)
+        assert plan and all(batch.decode_rows(s.num_single) == 1 for s in plan)

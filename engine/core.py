@@ -231,8 +231,8 @@ def main() -> None:
     _die_with_parent(parent)
 
     def on_sigterm(*_: object) -> None:
-        # A SIGTERM to the whole process group (a supervisor, Ctrl-\\) reaches us too: while the front end
-        # lives it drains its requests and then stops us itself.
+        # A SIGTERM to the whole process group (a supervisor stopping it) reaches us too: while the front
+        # end lives it drains its requests and then stops us itself.
         if os.getppid() != parent:
             sys.exit(0)
         logging.getLogger("kiln.core").info("SIGTERM: the front end will stop the engine once it has drained")

@@ -58,7 +58,7 @@ class CoreClient:
         self._call_ids = itertools.count()
         # Runs on shutdown, when the client is collected, or at interpreter exit, whichever comes first:
         # a script that falls off its end with the engine alive still exits.
-        self._release = weakref.finalize(self, _release, self.proc, self.ctx, self.ipc_dir)
+        self._finalizer = weakref.finalize(self, _release, self.proc, self.ctx, self.ipc_dir)
 
     def start(self, config: EngineConfig, model_dir: str, gguf_file: str | None = None) -> None:
         self.send(m.StartCore(config, model_dir, gguf_file))
@@ -115,7 +115,7 @@ class CoreClient:
             with contextlib.suppress(zmq.ZMQError, subprocess.TimeoutExpired):
                 self.input.send(self.encoder.encode(m.Shutdown()), flags=zmq.NOBLOCK)
                 self.proc.wait(timeout=5)
-        self._release()
+        self._finalizer()
         if self.dead is None:
             self.dead = "engine core was shut down"
 

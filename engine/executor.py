@@ -32,10 +32,8 @@ class Executor:
     def initialize(self) -> int:
         """Size and allocate the KV cache, then compile and warm up; returns the number of KV blocks."""
         num_blocks = self.worker.determine_num_blocks()
-        held, bs = (
-            (num_blocks - 1) * self.config.block_size,
-            self.config.block_size,
-        )  # block 0: the null block
+        bs = self.config.block_size
+        held = (num_blocks - 1) * bs  # block 0 is the null block
         if held < self.max_model_len:
             # Refused here, not per request: a prompt the cache can never hold would never finish.
             raise ValueError(

@@ -40,7 +40,7 @@ from server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from server.serving import DEFAULT_MAX_BODY_BYTES, Disconnected, Serving
+from server.serving import DEFAULT_MAX_BODY_BYTES, SHUTTING_DOWN, Disconnected, Serving
 from server.serving_chat import ChatServing
 from server.serving_completion import CompletionServing
 
@@ -74,7 +74,7 @@ class Routes:
         """Ready and alive: the engine core answers a stats call (a dead core is noticed within ~0.2 s).
         503 while the server drains for shutdown, so a load balancer sends nothing new."""
         if self.s.draining:
-            raise APIError(503, "the server is shutting down")
+            raise APIError(503, SHUTTING_DOWN)
         if not self.s.llm.dead:
             try:
                 await self.stats(timeout=10.0)
@@ -321,7 +321,7 @@ def serve(
             while llm.queues and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
             if llm.queues:
-                llm.fail_all(APIError(503, "the server is shutting down"))
+                llm.fail_all(APIError(503, SHUTTING_DOWN))
                 await asyncio.sleep(0.5)  # time for the error events to go out
             self.should_exit = True
 

@@ -33,6 +33,7 @@ from server.protocol import ChatMessage, UsageInfo
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 BODY_TIMEOUT_S = 30.0  # to receive a whole request body
+SHUTTING_DOWN = "the server is shutting down"
 
 
 class Disconnected(Exception):
@@ -137,7 +138,7 @@ class Serving:
     async def read(self, request: Request, cls: type) -> Any:
         """The body decoded as `cls`, whose `model`, if given, must be the one this server serves."""
         if self.draining:
-            raise APIError(503, "the server is shutting down")
+            raise APIError(503, SHUTTING_DOWN)
         limit = self.max_body_bytes
         length = request.headers.get("content-length")
         too_large = length is not None and length.isdigit() and int(length) > limit

@@ -47,6 +47,17 @@ DYNAMO_FLAGS = dict(
 FX_FLAGS = dict(use_duck_shape=False)  # sizes equal when traced must not be assumed equal
 
 
+def _without_global_state(guards: list) -> list[bool]:
+    """Every guard but the global state's, which holds the thread count; the rest of that state (grad
+    mode, autocast, default dtype) the engine core never changes."""
+    return [g.guard_type != "GLOBAL_STATE" for g in guards]
+
+
+# CPU threads follow the load (compiled/cpu_threads.py): kernels read the count when they run, and a
+# changed count neither fails a guard nor recompiles.
+CPU_THREADS_FOLLOW_LOAD = {"cpp.dynamic_threads": True, "guard_filter_fn": _without_global_state}
+
+
 def _known(config: object, values: dict) -> dict:
     """The settings the running torch has (2.11 lacks some of 2.13's); the rest are left out."""
     return {name: value for name, value in values.items() if hasattr(config, name)}
@@ -80,9 +91,11 @@ class CompilePolicy:
         if enforce_eager:
             return
         model.use_fused_kernels(CPU_ROW_BLOCKS if device.type == "cpu" else 1)
-        # Guards stay whole: module attributes and weights are what tell two models of one process apart.
+        # Guards stay on module attributes and weights: they tell two models of one process apart.
         for module in [*model.layers, model.output]:  # the LM head too: one more weight stream per step
-            module.compile(dynamic=True, fullgraph=True)
+            # A copy each: torch.compile takes guard_filter_fn out of the dict it is given.
+            options = dict(CPU_THREADS_FOLLOW_LOAD) if device.type == "cpu" else None
+            module.compile(dynamic=True, fullgraph=True, options=options)
         if device.type == "cuda":
             self.decode_forward = torch.compile(model.forward, **CUDA_DECODE)
             # Every (bucket, width) pair is a graph recorded on purpose: no warning past the eighth.

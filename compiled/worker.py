@@ -12,6 +12,7 @@ import msgspec
 import torch
 import torch._inductor.compile_fx  # what torch.compile imports on first use: loaded with this module
 
+from compiled.cpu_threads import CpuThreads
 from compiled.loader import convert_gguf, resolve_dtype
 from compiled.model_runner import ModelRunner
 from engine.config import EngineConfig
@@ -29,9 +30,11 @@ class Worker:
 
     def __init__(self, config: EngineConfig, model_dir: str, gguf_file: str | None = None) -> None:
         device = resolve_device(config.device)
-        if device.type == "cpu":
-            # Set once, first: changing the thread count later invalidates every compiled graph.
-            torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
+        self.threads: CpuThreads | None = None  # follows the load unless the count was given
+        if device.type == "cpu" and config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        elif device.type == "cpu":
+            self.threads = CpuThreads()
         if gguf_file is not None and not os.path.exists(os.path.join(model_dir, "model.safetensors")):
             convert_gguf(gguf_file, model_dir)
         self.config = msgspec.structs.replace(config.resolved(device.type == "cuda"), model=model_dir)
@@ -89,6 +92,8 @@ class Worker:
         self.runner.warmup()
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if self.threads is not None:
+            self.threads.update()
         return self.runner.execute_model(so)
 
 

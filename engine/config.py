@@ -53,7 +53,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     cpu_kv_cache_fraction: Annotated[float, _help("CPU: fraction of available RAM for the KV cache")] = 0.25
     num_kv_blocks: int | None = None  # exact pool size (tests); overrides the memory-based sizing
     enforce_eager: Annotated[bool, _help("skip torch.compile")] = False
-    num_threads: Annotated[int | None, _help("torch threads of the engine core (default: all cores)")] = None
+    num_threads: Annotated[
+        int | None, _help("engine-core torch threads (default: the cores other processes leave free)")
+    ] = None
     max_pending_requests: Annotated[
         int, _help("streaming front ends: requests held beyond max_num_seqs before more are refused (429)")
     ] = 4096

@@ -156,13 +156,17 @@ def test_no_recompile_after_warmup(tiny_llama, monkeypatch):
     assert all(g.direct for g in graphs.values())  # straight into Inductor's modules
     torch.manual_seed(0)
     drv = RunnerDriver(runner, chunk=40)
+    threads = torch.get_num_threads()  # changed on the way, as the load would: no step recompiles for it
     with torch._dynamo.config.patch(error_on_recompile=True):
         for i in range(12):  # each new prompt prefills beside the running decodes: mixed steps
+            torch.set_num_threads(1 if i % 2 else threads)
             drv.add(str(i), torch.randint(0, 320, (3 + 7 * i,)).tolist())
             drv.step()
         for b in range(12, 0, -1):  # every decode batch size, contexts growing past a block-table bucket
+            torch.set_num_threads(1 if b % 2 else threads)
             for _ in range(3):
                 drv.step([str(i) for i in range(b)])
+        torch.set_num_threads(threads)
     assert all(len(r["out"]) >= 1 for r in drv.reqs.values())
     # The check can fail: the one-row graph's guards refuse a two-row step.
     two = [runner.batch.requests["0"], runner.batch.requests["1"]]

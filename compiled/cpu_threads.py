@@ -1,0 +1,74 @@
+"""How many CPU threads a step gets: the allowed cores less those other processes keep busy.
+
+A step's parallel regions end at a barrier, so one thread on a core another process holds slows every
+thread, and spinning waiters take time from it; with one of two cores taken, two threads decode at a
+quarter of their quiet speed where one thread keeps three quarters (BENCHMARKS.md). Compiled kernels
+read the count when they run, whatever it was at compile time (compile_policy.py), so a change costs
+no recompile.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+SAMPLE_S = 0.5  # how often the load is read; a busy core costs at most this long at the wrong count
+DROP_AT = 0.4  # cores kept busy by others that take a thread away
+RAISE_BELOW = 0.2  # and the load under which it comes back, lower so a load near the edge cannot flap
+
+logger = logging.getLogger("kiln.worker")
+
+Sample = tuple[int, int, int]  # (ticks of the allowed cores, of those busy, of this process)
+
+
+def read_sample(cores: frozenset[int]) -> Sample:
+    """Clock ticks from /proc: the allowed cores' total and busy (steal counts as busy), this process's."""
+    total = busy = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *fields = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+                ticks = [int(t) for t in fields[:8]]  # user nice system idle iowait irq softirq steal
+                total += sum(ticks)
+                busy += sum(ticks) - ticks[3] - ticks[4]
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return total, busy, int(fields[11]) + int(fields[12])  # utime, stime
+
+
+def threads_for(others: float, current: int, cores: int) -> int:
+    """The thread count for `others` cores' worth of other processes' load, moving up only past the margin."""
+    down = max(1, cores - int(others + 1 - DROP_AT))
+    up = max(1, cores - int(others + 1 - RAISE_BELOW))
+    return down if down < current else max(up, current)
+
+
+class CpuThreads:
+    """Keeps torch's thread count at the cores other processes leave free, read every SAMPLE_S."""
+
+    def __init__(self, reader: Callable[[frozenset[int]], Sample] = read_sample) -> None:
+        self.cores = frozenset(os.sched_getaffinity(0))
+        self.reader, self.threads = reader, len(self.cores)
+        torch.set_num_threads(self.threads)
+        self.last, self.at = self.reader(self.cores), time.monotonic()
+
+    def update(self) -> int:
+        """Called before each step; returns the thread count it runs with."""
+        now = time.monotonic()
+        if now - self.at < SAMPLE_S:
+            return self.threads
+        sample = self.reader(self.cores)
+        total, busy, own = (a - b for a, b in zip(sample, self.last))
+        self.last, self.at = sample, now
+        if total > 0:
+            others = max(0, busy - own) * len(self.cores) / total
+            threads = threads_for(others, self.threads, len(self.cores))
+            if threads != self.threads:
+                logger.info("torch threads %d -> %d: others use %.2f cores", self.threads, threads, others)
+                torch.set_num_threads(threads)
+                self.threads = threads
+        return self.threads

@@ -16,6 +16,9 @@ from engine.outputs import RequestOutput
 from engine.params import SamplingParams
 
 logger = logging.getLogger("kiln")
+# Outputs detokenized between two turns of the event loop: with a batch of hundreds of sequences, a step's
+# detokenizing would otherwise hold up every other coroutine at once.
+OUTPUT_CHUNK = 32
 
 
 class _Pending:
@@ -45,6 +48,54 @@ class _Pending:
         return item  # type: ignore[return-value]
 
 
+class RequestStream:
+    """One admitted request's outputs, each time they change; the last has `finished` set. Closed, or
+    dropped unread, before that, it aborts the request in the engine: an admitted request never
+    outlives the one stream that can read it."""
+
+    def __init__(self, llm: AsyncLLM, request_id: str) -> None:
+        self.llm, self.request_id = llm, request_id
+        self.pending = llm.queues[request_id] = _Pending()
+        self.finished = self.closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.closed:
+            raise StopAsyncIteration
+        try:
+            item = await self.pending.get()
+        except BaseException:  # cancelled: the reader went away
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        self.finished = item.finished
+        if self.finished:
+            self.close()
+        return item
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        llm = self.llm
+        llm.queues.pop(self.request_id, None)
+        if not self.finished:
+            live = llm.output_processor.abort(self.request_id)
+            if not llm.client.dead:
+                llm.client.abort_requests(live)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter exit the client may be gone already
+            self.close()
+
+
 class AsyncLLM(FrontEnd):
     """Streaming front end for asyncio code: `async for out in llm.generate(...)`."""
 
@@ -71,13 +122,16 @@ class AsyncLLM(FrontEnd):
                 self._reader.cancel()
             self._reader = loop.create_task(self.client.run_reader(self._on_outputs, self._on_dead))
 
-    def _on_outputs(self, outputs) -> None:
-        updates, to_abort = self.output_processor.process_outputs(outputs)
-        self.client.abort_requests(to_abort)
-        for out in updates:
-            queue = self.queues.get(out.request_id)
-            if queue is not None:
-                queue.put(out)
+    async def _on_outputs(self, outputs) -> None:
+        for start in range(0, len(outputs), OUTPUT_CHUNK):
+            if start:
+                await asyncio.sleep(0)  # let streams and /health run between chunks
+            updates, to_abort = self.output_processor.process_outputs(outputs[start : start + OUTPUT_CHUNK])
+            self.client.abort_requests(to_abort)
+            for out in updates:
+                queue = self.queues.get(out.request_id)
+                if queue is not None:
+                    queue.put(out)
 
     def _on_dead(self, message: str) -> None:
         logger.error("engine core died: %s", message)
@@ -85,40 +139,42 @@ class AsyncLLM(FrontEnd):
         for queue in self.queues.values():
             queue.put(EngineDeadError(message))
 
+    def add(
+        self,
+        prompt: Prompt | PreparedRequest,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """Admit a request now and return its stream: a full front end (EngineOverloadedError), a bad
+        prompt, an id in use or a dead core fail here, before a caller has answered anything. `prompt`
+        may be a request `process` validated already."""
+        self._ensure_reader()
+        if self.dead:  # the process is checked now: the reader may not have seen it die yet
+            raise EngineDeadError(self.dead)
+        if not isinstance(prompt, PreparedRequest):
+            prompt = self.process(prompt, sampling_params or SamplingParams(), request_id)
+        self.check_capacity()
+        self.output_processor.add_request(prompt)  # a request id in use fails here, touching nothing
+        stream = RequestStream(self, prompt.request_id)
+        try:
+            for req in prompt.core_requests:
+                self.client.add_request(req)
+        except BaseException:
+            stream.close()
+            raise
+        return stream
+
     async def generate(
         self,
         prompt: Prompt | PreparedRequest,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's state each time it changes; the last one has `finished` set. `prompt` may
-        be a request `process` validated already. Closing the generator early (a client went away)
-        aborts the request in the engine."""
-        self._ensure_reader()
-        if self.dead:  # the process is checked now: the reader may not have seen it die yet
-            raise EngineDeadError(self.dead)
-        if not isinstance(prompt, PreparedRequest):
-            prompt = self.process(prompt, sampling_params or SamplingParams(), request_id)
-        rid = prompt.request_id
-        self.check_capacity()
-        self.output_processor.add_request(prompt)  # a request id in use fails here, touching nothing
-        queue = self.queues[rid] = _Pending()
-        finished = False
-        try:
-            for req in prompt.core_requests:
-                self.client.add_request(req)
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            self.queues.pop(rid, None)
-            if not finished:
-                live = self.output_processor.abort(rid)
-                if not self.client.dead:
-                    self.client.abort_requests(live)
+        """Yield the request's state each time it changes; the last one has `finished` set. Closing the
+        generator early (a client went away) aborts the request in the engine."""
+        async with contextlib.aclosing(self.add(prompt, sampling_params, request_id)) as stream:
+            async for out in stream:
+                yield out
 
     def check_capacity(self, count: int = 1) -> None:
         """EngineOverloadedError if `count` more requests would exceed what this front end may hold:

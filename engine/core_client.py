@@ -187,7 +187,7 @@ class AsyncCoreClient(CoreClient):
                 if await self.aoutput.poll(POLL_MS):
                     msg = self.decoder.decode(await self.aoutput.recv())
                     if isinstance(msg, m.EngineCoreOutputs):
-                        on_outputs(msg.outputs)
+                        await on_outputs(msg.outputs)
                     elif isinstance(msg, m.UtilityResult):
                         future = self._futures.pop(msg.call_id, None)
                         if future is not None and not future.done():

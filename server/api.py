@@ -43,9 +43,11 @@ from server.protocol import (
 from server.serving import DEFAULT_MAX_BODY_BYTES, SHUTTING_DOWN, Disconnected, Serving
 from server.serving_chat import ChatServing
 from server.serving_completion import CompletionServing
+from server.transport import uvicorn_config
 
 logger = logging.getLogger("kiln.server")
-STATS_MAX_AGE_S = 1.0  # /health and /metrics answer from engine stats at most this old
+STATS_MAX_AGE_S = 1.0  # /metrics answers from engine stats at most this old
+HEALTH_MAX_AGE_S = 5.0  # /health answers from stats this old while fresher ones are fetched
 
 
 class Routes:
@@ -56,14 +58,17 @@ class Routes:
         self._stats_call: asyncio.Future | None = None
         self._stats_at = -float("inf")
 
-    async def stats(self, timeout: float) -> dict:
-        """The engine core's stats, at most STATS_MAX_AGE_S old: a flood of /health or /metrics calls costs
-        the core at most one stats call a second, and concurrent callers share the one in flight."""
-        if time.monotonic() - self._stats_at < STATS_MAX_AGE_S:
-            return self.s.metrics.engine.stats
-        if self._stats_call is None or self._stats_call.done():
+    async def stats(self, timeout: float, max_age: float = STATS_MAX_AGE_S) -> dict:
+        """The engine core's stats, refreshed once they are STATS_MAX_AGE_S old: a flood of /health or
+        /metrics calls costs the core at most one stats call a second, and concurrent callers share the
+        one in flight. Stats younger than `max_age` answer at once, the refresh running behind them."""
+        age = time.monotonic() - self._stats_at
+        if age >= STATS_MAX_AGE_S and (self._stats_call is None or self._stats_call.done()):
             self._stats_call = asyncio.ensure_future(self._refresh_stats())
-        return await asyncio.wait_for(asyncio.shield(self._stats_call), timeout)
+            self._stats_call.add_done_callback(lambda call: call.cancelled() or call.exception())
+        if age < max_age:
+            return self.s.metrics.engine.stats
+        return await asyncio.wait_for(asyncio.shield(self._stats_call), timeout)  # type: ignore[arg-type]
 
     async def _refresh_stats(self) -> dict:
         self.s.metrics.engine.stats = await self.s.llm.get_stats()
@@ -71,13 +76,14 @@ class Routes:
         return self.s.metrics.engine.stats
 
     async def health(self, request: Request) -> Response:
-        """Ready and alive: the engine core answers a stats call (a dead core is noticed within ~0.2 s).
-        503 while the server drains for shutdown, so a load balancer sends nothing new."""
+        """Ready and alive: the engine core answered a stats call in the last HEALTH_MAX_AGE_S (a dead core
+        is noticed within ~0.2 s), so /health never waits for a step to end. 503 while the server
+        drains for shutdown, so a load balancer sends nothing new."""
         if self.s.draining:
             raise APIError(503, SHUTTING_DOWN)
         if not self.s.llm.dead:
             try:
-                await self.stats(timeout=10.0)
+                await self.stats(timeout=10.0, max_age=HEALTH_MAX_AGE_S)
             except (EngineDeadError, TimeoutError, RuntimeError) as e:
                 raise APIError(503, f"the engine core is not responding: {self.s.llm.dead or e}") from None
         if self.s.llm.dead:
@@ -333,14 +339,7 @@ def serve(
         llm = AsyncLLM(model, **engine_args)
         app = build_app(llm, api_key, max_body_bytes, trust_request_chat_template, sanitize_special_tokens)
         serving = app.state.server
-        config = uvicorn.Config(
-            app,
-            log_level=log_level,
-            access_log=False,
-            timeout_graceful_shutdown=1,  # after the drain: only idle connections are left
-            # The last line of defence, past the engine's own 429s: connections beyond it get a 503.
-            limit_concurrency=c.max_num_seqs + c.max_pending_requests + 256,
-        )
+        config = uvicorn_config(app, c.max_num_seqs + c.max_pending_requests + 256, log_level)
         server = _Server(config)
         server.run(sockets=[sock])
         if server.exit_code:

@@ -259,12 +259,18 @@ class Serving:
                 400, f"could not apply the chat template to these {param}: {type(e).__name__}: {e}", param
             ) from None
 
-    async def generate(self, request: PreparedRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: PreparedRequest) -> AsyncIterator[RequestOutput]:
+        """Admit `request` now: a full engine is this response's 429, not an error inside its stream."""
+        return self._tracked(request, self.llm.add(request))
+
+    async def _tracked(
+        self, request: PreparedRequest, stream: AsyncIterator[RequestOutput]
+    ) -> AsyncIterator[RequestOutput]:
         tracker = RequestTracker(
             self.metrics, request.request_id, len(request.prompt_token_ids), request.params.n
         )
         try:
-            async with contextlib.aclosing(self.llm.generate(request)) as gen:
+            async with contextlib.aclosing(stream) as gen:  # type: ignore[type-var]
                 async for out in gen:
                     tracker.update(out)
                     yield out

@@ -251,3 +251,109 @@ def test_requests_share_cached_prefixes_only_within_their_cache_salt(async_engin
     first_alice, bob, alice, first_unsalted, unsalted = in_thread(go, timeout=60)
     assert first_alice == 0 and bob == 0 and first_unsalted == 0  # no salt sees another's blocks
     assert alice > 0 and unsalted > 0
+
+
+def test_a_request_head_that_trickles_in_is_cut_off(monkeypatch):
+    import socket
+    import time
+
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    from server import transport
+
+    monkeypatch.setattr(transport, "HEAD_TIMEOUT_S", 0.5)
+
+    async def echo(request):
+        return PlainTextResponse(f"got {len(await request.body())}")
+
+    app = Starlette(routes=[Route("/x", echo, methods=["GET", "POST"])])
+    config = transport.uvicorn_config(app, limit_concurrency=16, log_level="warning")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        config.port = s.getsockname()[1]
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+
+    def connect() -> socket.socket:
+        conn = socket.create_connection(("127.0.0.1", config.port), timeout=5)
+        conn.settimeout(5)
+        return conn
+
+    try:
+        with connect() as slow:  # a header line every 0.2 s: never a whole head
+            slow.sendall(b"GET /x HTTP/1.1\r\nHost: a\r\n")
+            start, closed = time.monotonic(), False
+            while time.monotonic() - start < 4 and not closed:
+                time.sleep(0.2)
+                try:
+                    slow.sendall(b"X-Slow: 1\r\n")
+                except OSError:
+                    closed = True
+            if not closed:
+                slow.settimeout(0.5)
+                try:
+                    closed = slow.recv(100) == b""
+                except TimeoutError:
+                    closed = False
+            assert closed, "a trickling head kept its connection"
+            assert time.monotonic() - start < 2
+        with connect() as kept:  # whole heads, two on one connection, and a body slower than the deadline
+            for _ in range(2):
+                kept.sendall(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
+                assert read_reply(kept, b"got 0").startswith(b"HTTP/1.1 200")
+                time.sleep(0.3)
+            kept.sendall(b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 4\r\n\r\n")
+            for byte in b"body":
+                time.sleep(0.3)
+                kept.sendall(bytes([byte]))
+            assert read_reply(kept, b"got 4").startswith(b"HTTP/1.1 200")
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def read_reply(conn, marker: bytes) -> bytes:
+    reply = b""
+    while marker not in reply:
+        chunk = conn.recv(1000)
+        assert chunk, f"closed before {marker!r}: {reply!r}"
+        reply += chunk
+    return reply
+
+
+def test_a_big_step_is_detokenized_in_chunks_between_which_the_loop_runs(async_engine, monkeypatch):
+    from engine import async_llm
+    from engine.messages import EngineCoreOutput
+
+    events: list = []
+    process = async_engine.output_processor.process_outputs
+
+    def recorded(outputs):
+        events.append(len(outputs))
+        return process(outputs)
+
+    monkeypatch.setattr(async_engine.output_processor, "process_outputs", recorded)
+
+    async def go():
+        async def tick():
+            while True:
+                events.append("tick")
+                await asyncio.sleep(0)
+
+        ticker = asyncio.ensure_future(tick())
+        await asyncio.sleep(0)
+        await async_engine._on_outputs([EngineCoreOutput(f"x{i}", [1]) for i in range(100)])
+        ticker.cancel()
+        return events
+
+    chunks = [e for e in in_thread(go) if e != "tick"]
+    assert chunks == [32, 32, 32, 4] and async_llm.OUTPUT_CHUNK == 32
+    between = "".join("t" if e == "tick" else "c" for e in events)
+    assert "ctc" in between.replace("tt", "t"), between  # the loop ran between every two chunks
+    assert between.count("cc") == 0, between

@@ -97,15 +97,19 @@ class FakeLLM:
     def process(self, prompt, params, request_id=None, cache_salt=None):
         return self.processor.process(request_id or "req", prompt, params, time.time(), cache_salt)
 
-    async def generate(self, request):
+    def add(self, request):
         if self.dead:
             raise EngineDeadError(self.dead)
+        self.check_capacity()
+        self.running.add(request.request_id)
+        return self._outputs(request)
+
+    async def _outputs(self, request):
         ids, params, rid = request.prompt_token_ids, request.params, request.request_id
         outs = [
             CompletionOutput(i, logprobs=[] if params.logprobs is not None else None) for i in range(params.n)
         ]
         metrics = RequestMetrics(time.time(), scheduled_time=time.time())
-        self.running.add(rid)
         finished = False
         try:
             for step in range(params.max_tokens):
@@ -624,9 +628,45 @@ def test_health_and_metrics_floods_cost_the_core_one_stats_call(fake, monkeypatc
             assert len(calls) == 1  # all shared the one call in flight, then its answer
             await asyncio.sleep(1.1)
             assert (await c.get("/health")).status_code == 200
-            assert len(calls) == 2  # older than a second: asked again
+            await asyncio.sleep(0.01)
+            assert len(calls) == 2  # older than a second: asked again, behind the answer
 
     asyncio.run(flood())
+
+
+def test_health_answers_from_recent_stats_without_waiting_for_the_core(fake, monkeypatch):
+    from server import api
+
+    calls = []
+    real = fake.get_stats
+
+    async def slow():
+        calls.append(time.monotonic())
+        if len(calls) > 1:
+            await asyncio.sleep(3.0)  # the core is stuck in a long step
+        return await real()
+
+    monkeypatch.setattr(fake, "get_stats", slow)
+    monkeypatch.setattr(api, "STATS_MAX_AGE_S", 0.2)
+    monkeypatch.setattr(api, "HEALTH_MAX_AGE_S", 2.0)
+    app = build_app(fake)
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            assert (await c.get("/health")).status_code == 200  # the first answer: waited for
+            await asyncio.sleep(0.3)
+            start = time.monotonic()
+            assert (await c.get("/health")).status_code == 200
+            assert time.monotonic() - start < 0.5  # answered now,
+            await asyncio.sleep(0.01)
+            assert len(calls) == 2  # with a refresh running behind it
+            await asyncio.sleep(2.0)  # the last answer is older than HEALTH_MAX_AGE_S now
+            start = time.monotonic()
+            assert (await c.get("/health")).status_code == 200
+            assert time.monotonic() - start > 0.5  # so this one waited for the core's answer
+
+    asyncio.run(go())
 
 
 def test_amplifying_requests_are_refused_before_any_tokenizing(monkeypatch):
@@ -677,6 +717,32 @@ def test_a_full_engine_answers_429_with_retry_after_before_any_stream_starts():
             ).status_code == 200
 
     asyncio.run(go())
+
+
+def test_streams_admitted_together_past_the_limit_get_429_not_an_error_inside_a_stream(monkeypatch):
+    fake = FakeLLM(step_s=0.05)
+    fake.capacity = 1
+    encode = fake.tokenizer.encode
+
+    def slow_encode(text, add_special_tokens=True):  # both requests pass the first check meanwhile
+        time.sleep(0.3)
+        return encode(text, add_special_tokens)
+
+    monkeypatch.setattr(fake.tokenizer, "encode", slow_encode)
+
+    async def stream(c):
+        body = {"prompt": "hi", "max_tokens": 40, "stream": True}
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            return r.status_code, (await r.aread()).decode()
+
+    async def go():
+        transport = httpx.ASGITransport(app=build_app(fake))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            return await asyncio.gather(stream(c), stream(c))
+
+    results = sorted(asyncio.run(go()))
+    assert [status for status, _ in results] == [200, 429], results
+    assert '"error"' not in results[0][1] and results[0][1].rstrip().endswith("data: [DONE]")
 
 
 def test_a_body_that_trickles_in_is_refused_after_the_read_timeout(fake, monkeypatch):

@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kiln-installed
 
-.PHONY: setup test lint serve generate device-kit device-dry-run clean
+.PHONY: setup test lint serve generate soak device-kit device-dry-run clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,10 @@ serve: setup
 
 generate: setup
 	$(VENV)/bin/kiln generate "Write a haiku about a kiln."
+
+# Misbehaving clients against the default model for 5 minutes, then a check that the server recovered.
+soak: setup
+	$(VENV)/bin/kiln bench soak
 
 # The GPU check packed for a machine with torch but no network (server/bench/device_kit.py), and its run
 # on this CPU in an environment like that machine's.

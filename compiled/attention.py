@@ -71,14 +71,13 @@ def new_kv_cache(
     """One layer's K [blocks, n_kv_heads, block_size / c, head_dim, c] and
     V [blocks, n_kv_heads, head_dim / c, block_size, c].
 
-    Uninitialised but for the null block: every read masks the slots a sequence has not written, so
-    nothing has to touch gigabytes at start. The null block starts zeroed because the warm-up's
-    throw-away rows read all of it as context, and float math on leftover garbage (denormals) is slow.
+    Zeroed, which commits every page now: a cache left to be touched block by block would grow the
+    process by gigabytes while it serves (and fault pages in on the hot path). Zeros also keep float
+    math on slots nobody wrote (the warm-up's throw-away rows read the null block) free of denormals.
     """
     c = kv_lanes(device, dtype, block_size, head_dim)
-    k = torch.empty(num_blocks, n_kv_heads, block_size // c, head_dim, c, device=device, dtype=dtype)
-    v = torch.empty(num_blocks, n_kv_heads, head_dim // c, block_size, c, device=device, dtype=dtype)
-    k[0], v[0] = 0, 0
+    k = torch.zeros(num_blocks, n_kv_heads, block_size // c, head_dim, c, device=device, dtype=dtype)
+    v = torch.zeros(num_blocks, n_kv_heads, head_dim // c, block_size, c, device=device, dtype=dtype)
     return k, v
 
 

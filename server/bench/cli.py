@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+from pathlib import Path
 
 from server.cli import add_engine_args, engine_args, engine_flags
 
@@ -95,6 +96,13 @@ def run(args: argparse.Namespace) -> int:
             with bench_serve.launch(args.launch or None, flags) as (url, _):
                 result = serve_run(url)
         print(bench_serve.format_report(result))
+    elif args.bench == "soak":
+        from server.bench import soak
+
+        log = Path(args.server_log) if args.server_log else None
+        flags = engine_flags(args)
+        result = soak.run(args.model, flags, args.requests, args.duration, args.clients, args.seed, log)
+        print(soak.format_report(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
@@ -214,7 +222,17 @@ def parser() -> argparse.ArgumentParser:
         "below, run against it, then stop it",
     )
     add_engine_args(serve)
-    for p in (sched, runner, startup, gpu, throughput, latency, serve):
+    soak = kinds.add_parser(
+        "soak", help="launch `kiln serve` and soak it with misbehaving clients; then check it recovered"
+    )
+    soak.add_argument("model", nargs="?", default=None, help="what to serve (default: the embedded SmolLM2)")
+    soak.add_argument("--requests", type=int, default=2000)
+    soak.add_argument("--duration", type=float, default=300.0, help="seconds the requests are spread over")
+    soak.add_argument("--clients", type=int, default=64)
+    soak.add_argument("--seed", type=int, default=0)
+    soak.add_argument("--server-log", default=None, help="keep the server's output in this file")
+    add_engine_args(soak)
+    for p in (sched, runner, startup, gpu, throughput, latency, serve, soak):
         p.add_argument("--json", default=None, help="also write the results to this file")
     return bench
 

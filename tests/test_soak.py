@@ -1,0 +1,24 @@
+"""The soak (`kiln bench soak`) in small: 64 misbehaving clients against one server, which must come back
+whole. The full size (2,000 requests over 5 minutes, the default model compiled) is `make soak`."""
+
+from server.bench import soak
+
+
+def test_a_server_soaked_by_misbehaving_clients_comes_back_whole(tiny_chat_model, tmp_path):
+    flags = ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory", "50000000"]
+    result = soak.run(tiny_chat_model, flags, requests=300, duration_s=40, clients=64, log=tmp_path / "log")
+    report = soak.format_report(result) + "\n" + (tmp_path / "log").read_text()[-3000:]
+    assert result["ok"], report
+    kinds = {outcome.split()[0] for outcome in result["outcomes"]}
+    assert kinds == set(soak.KINDS), report
+    outcomes = result["outcomes"]
+    assert outcomes.get("burst 429", 0) > 0, report  # the limits refused some, with 429
+    assert outcomes.get("drop dropped", 0) > 0 and outcomes.get("slow done", 0) > 0, report
+    assert outcomes.get("abort client timeout", 0) > 0, report
+    bad_4xx = sum(n for k, n in outcomes.items() if k.startswith("bad 4"))
+    assert bad_4xx == outcomes_of(outcomes, "bad") > 0, report
+    assert result["health"]["checks"] > 100, report
+
+
+def outcomes_of(outcomes: dict[str, int], kind: str) -> int:
+    return sum(n for k, n in outcomes.items() if k.split()[0] == kind)

@@ -56,6 +56,8 @@ class StepBatch:
     meta: AttentionMetadata
     logits_index: list[int]
     sampled: list[CachedRequestState]
+    # (request, first hidden row, first position, rows) whose logits score the next prompt token.
+    prompt_rows: list[tuple[CachedRequestState, int, int, int]]
 
 
 class StepInputs:
@@ -181,11 +183,19 @@ class InputBatch:
         token_ids: list[int] = []
         logits_index: list[int] = []
         sampled: list[CachedRequestState] = []
+        prompt_rows: list[tuple[CachedRequestState, int, int, int]] = []
+
+        def score_prompt(s: CachedRequestState, row: int, start: int, n: int) -> None:
+            k = min(start + n, s.num_prompt_tokens - 1) - start  # positions followed by a prompt token
+            if k > 0 and s.sampling_params.prompt_logprobs is not None:
+                prompt_rows.append((s, row, start, k))
+
         for s in singles:
             pos = s.num_computed_tokens
             rows.append(s.row)
             positions.append(pos)
             token_ids.append(s.token_ids[pos])
+            score_prompt(s, len(token_ids) - 1, pos, 1)
             if pos + 1 == len(s.token_ids):
                 logits_index.append(len(token_ids) - 1)
                 sampled.append(s)
@@ -203,6 +213,7 @@ class InputBatch:
         pre_width = 2
         for s, n in zip(chunks, chunk_lens):
             start, first = s.num_computed_tokens, len(token_ids)
+            score_prompt(s, first, start, n)
             rows += [s.row] * n
             positions += range(start, start + n)
             token_ids += s.token_ids[start : start + n]
@@ -230,7 +241,9 @@ class InputBatch:
             prefill_query_pos=put("prefill_query_pos", np.array(query_pos).reshape(len(chunks), q_max)),
             prefill_out_index=put("prefill_out_index", out_index),
         )
-        return StepBatch(put("token_ids", token_ids), put("positions", pos_a), meta, logits_index, sampled)
+        return StepBatch(
+            put("token_ids", token_ids), put("positions", pos_a), meta, logits_index, sampled, prompt_rows
+        )
 
 
 def sampling_inputs(

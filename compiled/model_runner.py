@@ -22,6 +22,7 @@ from engine.params import SamplingParams
 from engine.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 
 logger = logging.getLogger("kiln.runner")
+PROMPT_LOGITS_ROWS = 256  # rows of prompt logits computed at once: 256 x vocab floats (~50 MB for 49k)
 
 
 class ModelRunner:
@@ -119,7 +120,7 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         singles, chunks = self.batch.split(so.num_scheduled_tokens)
         step = self.batch.prepare(singles, chunks, so.num_scheduled_tokens)
-        tokens, logprobs = self._run(step)
+        tokens, logprobs, prompt_logprobs = self._run(step)
         out_tokens: dict[str, list[int]] = {}
         out_logprobs: dict[str, list[TokenLogprobs]] = {}
         for i, s in enumerate(step.sampled):
@@ -132,6 +133,7 @@ class ModelRunner:
             req_ids=[s.req_id for s in order],
             sampled_token_ids=[out_tokens.get(s.req_id, []) for s in order],
             logprobs=[out_logprobs.get(s.req_id) for s in order] if out_logprobs else None,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def hidden_states(self, step: StepBatch) -> Tensor:
@@ -140,16 +142,21 @@ class ModelRunner:
             forward = self.policy.forward(step.meta.decode_only)
             return forward(step.token_ids, step.positions, step.meta)
 
-    def _run(self, step: StepBatch) -> tuple[list[int], list[TokenLogprobs] | None]:
-        """Forward one packed step and sample its sampled rows: their tokens and logprobs."""
+    def _run(self, step: StepBatch) -> tuple[list[int], list[TokenLogprobs] | None, dict]:
+        """Forward one packed step and sample its sampled rows: their tokens and logprobs, and the
+        prompt logprobs of the rows that score prompt tokens."""
         hidden = self.hidden_states(step)
+        prompt_logprobs = {
+            s.req_id: (start + 1, self._prompt_logprobs(s, hidden[row : row + k], start))
+            for s, row, start, k in step.prompt_rows
+        }
         if not step.sampled:
-            return [], None
+            return [], None, prompt_logprobs
         logits = self.model.compute_logits(hidden[self.batch.inputs.put("logits_index", step.logits_index)])
         out = sample(logits, sampling_inputs(step.sampled, self.vocab_size, self.device))
         tokens = out.token_ids.tolist()
         if out.logprobs is None:
-            return tokens, None
+            return tokens, None, prompt_logprobs
         lp = out.logprobs.tolist()
         top_ids = out.topk_ids.tolist() if out.topk_ids is not None else [[] for _ in step.sampled]
         top_lp = out.topk_logprobs.tolist() if out.topk_logprobs is not None else [[] for _ in step.sampled]
@@ -157,4 +164,21 @@ class ModelRunner:
         for i, s in enumerate(step.sampled):
             n = s.sampling_params.logprobs or 0
             logprobs.append((lp[i], list(zip(top_ids[i][:n], top_lp[i][:n]))))
-        return tokens, logprobs
+        return tokens, logprobs, prompt_logprobs
+
+    def _prompt_logprobs(self, s: CachedRequestState, hidden: Tensor, start: int) -> list[TokenLogprobs]:
+        """Logprobs of prompt tokens start+1 .. start+len(hidden) from the rows before each, and the top-N;
+        the LM head runs on PROMPT_LOGITS_ROWS rows at a time to bound the [rows, vocab] logits."""
+        n, out = s.sampling_params.prompt_logprobs or 0, []
+        for first in range(0, hidden.shape[0], PROMPT_LOGITS_ROWS):
+            h = hidden[first : first + PROMPT_LOGITS_ROWS]
+            logprobs = self.model.compute_logits(h).float().log_softmax(-1)
+            at = start + 1 + first
+            targets = torch.tensor(s.token_ids[at : at + h.shape[0]], device=logprobs.device)
+            chosen = logprobs.gather(-1, targets[:, None])[:, 0].tolist()
+            if n:
+                top_lp, top_ids = (t.tolist() for t in logprobs.topk(n, dim=-1))
+                out += [(c, list(zip(i, lp))) for c, i, lp in zip(chosen, top_ids, top_lp)]
+            else:
+                out += [(c, []) for c in chosen]
+        return out

@@ -108,7 +108,9 @@ class InputProcessor:
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            sample = msgspec.structs.replace(child, n=1, seed=seed)
+            # One sample computes the prompt's logprobs: they are the same for all.
+            prompt_lp = params.prompt_logprobs if i == 0 else None
+            sample = msgspec.structs.replace(child, n=1, seed=seed, prompt_logprobs=prompt_lp)
             reqs.append(
                 EngineCoreRequest(rid, prompt_ids, sample, arrival_time, self.eos_token_id, cache_salt)
             )

@@ -71,7 +71,8 @@ class KVCacheManager:
         what yields the logits for the next token. Counts the lookup in the prefix-cache counters
         (each call counts, so a request retried while memory is short is counted again).
         """
-        if not self.enable_caching:
+        # A request asking for prompt logprobs computes every position: a hit would skip some.
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         self.update_block_hashes(request)
         pool = self.block_pool

@@ -9,7 +9,7 @@ import time
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.input_processor import PreparedRequest
-from engine.messages import EngineCoreOutput
+from engine.messages import EngineCoreOutput, TokenLogprobs
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.params import SamplingParams
 
@@ -32,6 +32,7 @@ class _RequestState:
         self.samples: dict[str, _Sample] = {}  # core request id -> sample
         self.metrics = RequestMetrics(arrival_time)
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def snapshot(self) -> RequestOutput:
         """The request as it stands; resets the deltas, which the snapshot carries."""
@@ -60,6 +61,7 @@ class _RequestState:
             all(o.finished for o in outs),
             self.metrics,
             self.num_cached_tokens,
+            self.prompt_logprobs,
         )
 
 
@@ -102,6 +104,8 @@ class OutputProcessor:
             if o.new_token_ids and m.first_token_time is None:
                 m.first_token_time = now
                 state.num_cached_tokens = o.num_cached_tokens
+            if o.prompt_logprobs is not None:
+                state.prompt_logprobs = o.prompt_logprobs
             sample = state.samples[o.request_id]
             out = sample.out
             out.token_ids += o.new_token_ids

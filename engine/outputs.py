@@ -50,3 +50,5 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing before it).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

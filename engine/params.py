@@ -32,6 +32,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # Logprob of every prompt token given the tokens before it, plus the top-N (the first token has none).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -56,6 +58,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 "must not exceed max_tokens",
             ),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                "prompt_logprobs",
+                "must be in [0, 20]",
+            ),
             (self.seed is None or -(2**63) <= self.seed < 2**63, "seed", "must fit in 64 bits"),
             (self.top_k < _INT32, "top_k", f"must be below {_INT32}"),
             (self.min_tokens < _INT32, "min_tokens", f"must be below {_INT32}"),

@@ -60,6 +60,10 @@ class Request:
         self.seed: int | None = sampling_params.seed
         # Prefix-cache hit tokens at first admission; -1 until then (reported on the first output).
         self.num_cached_tokens = -1
+        # Filled position by position as the prompt is computed (so a recompute rewrites, not appends).
+        self.prompt_logprobs: list | None = (
+            None if sampling_params.prompt_logprobs is None else [None] * len(prompt_token_ids)
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -280,6 +280,10 @@ class Scheduler:
         finished: list[Request] = []
         requests = self.requests
         all_logprobs = runner_output.logprobs
+        for rid, (start, entries) in runner_output.prompt_logprobs.items():
+            req = requests.get(rid)
+            if req is not None and req.prompt_logprobs is not None:
+                req.prompt_logprobs[start : start + len(entries)] = entries
         for i, (rid, token_ids) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
             if not token_ids:  # still prefilling
                 continue
@@ -308,6 +312,7 @@ class Scheduler:
                     stop_reason=req.stop_reason,
                     new_logprobs=logprobs,
                     num_cached_tokens=self._cached(req, first),
+                    prompt_logprobs=req.prompt_logprobs if first else None,
                 )
             )
         self._release(finished, num_waiting=0)

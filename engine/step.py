@@ -58,9 +58,12 @@ class ModelRunnerOutput:
     `sampled_token_ids[i]` is empty while request i is still prefilling (the step's chunk did not
     reach the end of its known tokens) and holds one token otherwise.
     `logprobs[i]` (when the request asked for them) is a list, one per sampled token, of
-    (sampled token logprob, [(token_id, logprob) for the top-N]).
+    (sampled token logprob, [(token_id, logprob) for the top-N]); prompt logprobs are of the same shape.
     """
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None] | None = None
+    # req_id -> (first prompt position covered, logprobs of the prompt tokens from there), for requests
+    # that asked for prompt logprobs and computed prompt positions this step.
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)

@@ -38,6 +38,7 @@ from server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfoResponse,
     VersionResponse,
 )
 from server.serving import DEFAULT_MAX_BODY_BYTES, SHUTTING_DOWN, Disconnected, Serving
@@ -152,6 +153,21 @@ class Routes:
                 )
         return json_response(DetokenizeResponse(prompt=self.s.llm.tokenizer.decode(b.tokens)))
 
+    async def tokenizer_info(self, request: Request) -> Response:
+        """What a client needs to tokenize as the server does (lm-eval's remote tokenizer reads it)."""
+        tok = self.s.llm.tokenizer
+        return json_response(
+            TokenizerInfoResponse(
+                tokenizer_class=type(tok).__name__,
+                model_max_length=self.s.llm.max_model_len,
+                vocab_size=self.s.llm.processor.vocab_size,
+                bos_token=getattr(tok, "bos_token", None),
+                eos_token=getattr(tok, "eos_token", None),
+                pad_token=getattr(tok, "pad_token", None),
+                chat_template=getattr(tok, "chat_template", None),
+            )
+        )
+
 
 def _route(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
     """Every way a request can fail becomes an OpenAI-shaped error; a client that left gets a bare 499."""
@@ -168,7 +184,8 @@ def _route(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Reque
     return wrapped
 
 
-GUARDED = ("/metrics", "/tokenize", "/detokenize")  # besides /v1: what they tell of others' requests
+# Besides /v1, what tells of others' requests (prefix-cache counts) or of the served model's files.
+GUARDED = ("/metrics", "/tokenize", "/detokenize", "/tokenizer_info")
 
 
 class _APIKeyMiddleware:
@@ -227,6 +244,7 @@ def build_app(
         Route("/v1/chat/completions", _route(chat.create), methods=["POST"]),
         Route("/tokenize", _route(misc.tokenize), methods=["POST"]),
         Route("/detokenize", _route(misc.detokenize), methods=["POST"]),
+        Route("/tokenizer_info", _route(misc.tokenizer_info), methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _server_error})
     app.state.server = serving

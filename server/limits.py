@@ -170,6 +170,15 @@ class RequestLimits:
                     f"{MAX_LOGPROB_ENTRIES} one response may hold: stream it, or ask for fewer",
                     "logprobs",
                 )
+        if params.prompt_logprobs is not None:  # the echoed prompt's: up to the context per prompt
+            entries = prompts * self.max_model_len * (params.prompt_logprobs + 1)
+            if entries > MAX_LOGPROB_ENTRIES:
+                raise APIError(
+                    400,
+                    f"prompts x max_model_len x (logprobs + 1) = {entries} prompt logprob entries exceeds "
+                    f"the {MAX_LOGPROB_ENTRIES} one response may hold: send fewer prompts",
+                    "logprobs",
+                )
         try:
             self.check_capacity(prompts)
         except EngineOverloadedError as e:

@@ -62,18 +62,26 @@ class TokenStrings:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def completion_logprobs(
-        self, token_ids: list[int], logprobs: list[TokenLogprobs], offset: int
+        self, token_ids: list[int], logprobs: list[TokenLogprobs | None], offset: int
     ) -> tuple[CompletionLogprobs, int]:
         """/v1/completions' logprobs for these tokens, their text offsets counted from `offset`; and the
-        offset after them."""
-        tokens, token_lps, tops, offsets = [], [], [], []
-        for tid, (lp, top) in zip(token_ids, logprobs):
+        offset after them. A None entry (an echoed prompt's first token, which nothing precedes) is null."""
+        tokens: list[str] = []
+        token_lps: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        for tid, entry_lp in zip(token_ids, logprobs):
             text = self.text(tid)
             tokens.append(text)
-            token_lps.append(_clamp(lp))
-            entry = {self.text(t): _clamp(v) for t, v in top}
-            entry.setdefault(text, _clamp(lp))
-            tops.append(entry)
+            if entry_lp is None:
+                token_lps.append(None)
+                tops.append(None)
+            else:
+                lp, top = entry_lp
+                token_lps.append(_clamp(lp))
+                entry = {self.text(t): _clamp(v) for t, v in top}
+                entry.setdefault(text, _clamp(lp))
+                tops.append(entry)
             offsets.append(offset)
             offset += len(self.bytes(tid).decode("utf-8", errors="ignore"))
         return CompletionLogprobs(

@@ -230,5 +230,15 @@ class HealthResponse(msgspec.Struct, kw_only=True):
     status: str
 
 
+class TokenizerInfoResponse(msgspec.Struct, kw_only=True):
+    tokenizer_class: str
+    model_max_length: int
+    vocab_size: int
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    chat_template: str | None
+
+
 class VersionResponse(msgspec.Struct, kw_only=True):
     version: str

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 import uuid
@@ -12,7 +13,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engine.outputs import CompletionOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.params import SamplingParams
 from server.errors import APIError, json_response
 from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
@@ -41,13 +42,12 @@ class CompletionServing:
         s = self.s
         b: CompletionRequest = await s.read(request, CompletionRequest)
         max_tokens = 16 if b.max_tokens is msgspec.UNSET else b.max_tokens
-        params = s.limits.sampling_params(b, max_tokens, b.logprobs)  # type: ignore[arg-type]
+        echo_only = bool(b.echo) and max_tokens == 0  # scoring a prompt (lm-eval): nothing generated
+        params = s.limits.sampling_params(b, 1 if echo_only else max_tokens, b.logprobs)  # type: ignore[arg-type]
+        if b.echo and b.logprobs is not None:  # the echoed prompt comes with its tokens' logprobs
+            params = msgspec.structs.replace(params, prompt_logprobs=b.logprobs)
         s.limits.check_size(_count(b.prompt), params, bool(b.stream))
         prompts = await s.offload(self.prompts, b.prompt)
-        if b.echo and b.logprobs is not None:
-            raise APIError(
-                400, "echo with logprobs is not supported (prompt logprobs are not computed)", "echo"
-            )
         rid = f"cmpl-{uuid.uuid4().hex}"
         ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
         prepared = [s.prepare(r, p.ids, params, b.cache_salt) for r, p in zip(ids, prompts)]
@@ -64,6 +64,7 @@ class CompletionServing:
                     params,
                     gens,
                     bool(b.echo),
+                    echo_only,
                     include_usage,
                     continuous,
                     bool(b.return_token_ids),
@@ -74,9 +75,14 @@ class CompletionServing:
         for i, (p, final) in enumerate(zip(prompts, finals)):
             for c in final.outputs:
                 prefix = self.echo_text(p) if b.echo else ""
+                if echo_only:
+                    c.text, c.token_ids, c.logprobs = "", [], [] if c.logprobs is not None else None
                 logprobs = None
                 if params.logprobs is not None:
-                    logprobs, _ = s.tokens.completion_logprobs(c.token_ids, c.logprobs or [], 0)
+                    ids, lps = c.token_ids, c.logprobs or []
+                    if final.prompt_logprobs is not None:
+                        ids, lps = p.ids + ids, final.prompt_logprobs + lps
+                    logprobs, _ = s.tokens.completion_logprobs(ids, lps, 0)
                 choice = CompletionChoice(
                     index=i * params.n + c.index,
                     text=prefix + c.text,
@@ -87,7 +93,8 @@ class CompletionServing:
                 if b.return_token_ids:
                     choice.prompt_token_ids, choice.token_ids = p.ids, c.token_ids
                 choices.append(choice)
-        return json_response(body(choices=choices, usage=s.usage(prompts, finals)))
+        usage = s.usage(prompts, generated=0) if echo_only else s.usage(prompts, finals)
+        return json_response(body(choices=choices, usage=usage))
 
     def echo_text(self, p: PromptIds) -> str:
         return p.text if p.text is not None else self.s.llm.tokenizer.decode(p.ids)
@@ -121,6 +128,7 @@ class CompletionServing:
         params: SamplingParams,
         gens,
         echo: bool,
+        echo_only: bool,
         include_usage: bool,
         continuous_usage: bool,
         token_ids: bool,
@@ -128,17 +136,28 @@ class CompletionServing:
         s = self.s
         started: set[int] = set()
         offsets: dict[int, int] = {}  # text offset of each choice's next logprob
+        prompt_logprobs: dict[int, list] = {}  # prompt index -> its logprobs (with its first output)
+
+        async def noting_prompt_logprobs(i: int, gen: AsyncIterator[RequestOutput]):
+            async with contextlib.aclosing(gen):  # type: ignore[type-var]
+                async for out in gen:
+                    if out.prompt_logprobs is not None:
+                        prompt_logprobs.setdefault(i, out.prompt_logprobs)
+                    yield out
 
         def choice(i: int, index: int, c: CompletionOutput) -> CompletionChoice | None:
+            if echo_only:
+                c.delta_text, c.delta_token_ids, c.delta_logprobs = "", [], []
             text, first = c.delta_text, index not in started
+            ids, lps = c.delta_token_ids, c.delta_logprobs
             if first:
                 prefix = self.echo_text(prompts[i]) if echo else ""
                 text, offsets[index] = prefix + text, len(prefix)
+                if i in prompt_logprobs:
+                    ids, lps, offsets[index] = prompts[i].ids + ids, prompt_logprobs[i] + lps, 0
             logprobs = None
-            if params.logprobs is not None and c.delta_token_ids:
-                logprobs, offsets[index] = s.tokens.completion_logprobs(
-                    c.delta_token_ids, c.delta_logprobs, offsets[index]
-                )
+            if params.logprobs is not None and ids:
+                logprobs, offsets[index] = s.tokens.completion_logprobs(ids, lps, offsets[index])
             if not has_news(c, text, logprobs, token_ids):
                 return None  # the echo goes out with the first chunk actually sent
             started.add(index)
@@ -155,9 +174,13 @@ class CompletionServing:
                     out.prompt_token_ids = prompts[i].ids
             return out
 
+        gens = [noting_prompt_logprobs(i, g) for i, g in enumerate(gens)]
         stream = ChoiceStream(gens, params.n, choice)
+
+        def usage():
+            return s.usage(prompts, generated=0 if echo_only else stream.generated)
+
         async for choices in stream:
-            usage = s.usage(prompts, generated=stream.generated) if continuous_usage else None
-            yield body(choices=choices, usage=usage)
+            yield body(choices=choices, usage=usage() if continuous_usage else None)
         if include_usage:
-            yield body(choices=[], usage=s.usage(prompts, generated=stream.generated))
+            yield body(choices=[], usage=usage())

@@ -507,6 +507,42 @@ def test_bad_input_costs_a_greedy_stream_running_beside_it_nothing(http):
     assert len(texts) >= 2 and all(t == reference for t in texts), (reference, texts)
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(http, smollm2_hf):
+    import torch
+
+    ids = http.post("/tokenize", json={"model": MODEL, "prompt": "The capital of France is Paris."}).json()[
+        "tokens"
+    ]
+    with torch.no_grad():
+        expected = smollm2_hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 0, "logprobs": 1, "echo": True, "temperature": 0}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"] == "The capital of France is Paris." and choice["finish_reason"] == "length"
+    assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for pos in range(1, len(ids)):
+        assert lp["token_logprobs"][pos] == pytest.approx(expected[pos - 1, ids[pos]].item(), abs=1e-3)
+        top = max(lp["top_logprobs"][pos].values())
+        assert top == pytest.approx(expected[pos - 1].max().item(), abs=1e-3)
+    assert r.json()["usage"]["completion_tokens"] == 0
+    # lm-eval's greedy check asks for one token more: the prompt's entries, then the generated one.
+    one = http.post("/v1/completions", json={**body, "max_tokens": 1}).json()["choices"][0]
+    assert len(one["logprobs"]["tokens"]) == len(ids) + 1
+    scored = one["logprobs"]["token_logprobs"]
+    assert scored[1 : len(ids)] == pytest.approx(lp["token_logprobs"][1:], abs=1e-5)
+    # Streamed, the first chunk carries the echo and the prompt's logprobs.
+    streamed = []
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                streamed.append(json.loads(line.removeprefix("data: "))["choices"])
+    first = next(c for cs in streamed for c in cs)
+    assert first["text"] == choice["text"]
+    assert first["logprobs"]["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:], abs=1e-5)
+
+
 def test_still_serving_after_everything(server, http, client):
     r = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=4, temperature=0)
     assert r.choices[0].text and r.usage.completion_tokens == 4

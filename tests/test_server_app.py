@@ -141,7 +141,11 @@ class FakeLLM:
                 if metrics.first_token_time is None:
                     metrics.first_token_time = time.time()
                 finished = last
-                yield RequestOutput(rid, None, ids, snapshot, last, metrics)
+                prompt_lps = None
+                if params.prompt_logprobs is not None:  # each prompt token at -1.0, its own top entry
+                    top = params.prompt_logprobs
+                    prompt_lps = [None] + [(-1.0, [(t, -1.0)][:top]) for t in ids[1:]]
+                yield RequestOutput(rid, None, ids, snapshot, last, metrics, prompt_logprobs=prompt_lps)
         finally:
             self.running.discard(rid)
             if not finished:
@@ -202,6 +206,10 @@ def test_api_key_guards_v1_routes_metrics_and_tokenizing(fake):
         for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [104]})):
             assert_error(c.post(path, json=body), 401)
             assert c.post(path, json=body, headers={"Authorization": "Bearer sekret"}).status_code == 200
+        assert_error(c.get("/tokenizer_info"), 401)
+        info = c.get("/tokenizer_info", headers={"Authorization": "Bearer sekret"}).json()
+        assert info["tokenizer_class"] == "ByteTokenizer" and info["model_max_length"] == fake.max_model_len
+        assert info["vocab_size"] == 257 and info["chat_template"] == fake.tokenizer.chat_template
 
 
 def test_body_over_the_limit_is_413_and_the_server_keeps_serving(fake):
@@ -276,9 +284,20 @@ def test_token_id_prompts_echo_and_logprobs(client):
         ).text
     )
     assert [ch["choices"][0]["text"] for ch in chunks] == ["hia", "b", "c"]
-    assert_error(
-        client.post("/v1/completions", json={"prompt": "hi", "echo": True, "logprobs": 1}), 400, "echo"
-    )
+    # Echo with logprobs (lm-eval's scoring call): the prompt's tokens first, the first one null.
+    score = {"prompt": "hi", "echo": True, "logprobs": 1, "max_tokens": 0}
+    r = client.post("/v1/completions", json=score).json()
+    lp = r["choices"][0]["logprobs"]
+    assert r["choices"][0]["text"] == "hi" and r["usage"]["completion_tokens"] == 0
+    assert lp["tokens"] == ["h", "i"] and lp["token_logprobs"] == [None, -1.0] and lp["text_offset"] == [0, 1]
+    assert lp["top_logprobs"] == [None, {"i": -1.0}]
+    lp = client.post("/v1/completions", json={**score, "max_tokens": 1}).json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["h", "i", "a"] and lp["token_logprobs"] == [None, -1.0, -0.5]
+    assert lp["text_offset"] == [0, 1, 2]
+    chunks = sse(client.post("/v1/completions", json={**score, "stream": True}).text)
+    assert [ch["choices"][0]["text"] for ch in chunks] == ["hi"]
+    assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"] == [None, -1.0]
+    assert_error(client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0}), 400, "max_tokens")
 
 
 def test_chat_stream_role_first_finish_last_usage_only_when_asked(client):

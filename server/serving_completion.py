@@ -174,7 +174,8 @@ class CompletionServing:
                     out.prompt_token_ids = prompts[i].ids
             return out
 
-        gens = [noting_prompt_logprobs(i, g) for i, g in enumerate(gens)]
+        if params.prompt_logprobs is not None:
+            gens = [noting_prompt_logprobs(i, g) for i, g in enumerate(gens)]
         stream = ChoiceStream(gens, params.n, choice)
 
         def usage():

@@ -117,15 +117,6 @@ def engine_core_children() -> list[int]:
 
 def engine_core_of(pid: int) -> int:
     """The engine-core process whose parent is `pid` (a server)."""
-    from pathlib import Path
+    from server.bench.soak import engine_core_pid
 
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                cmd = (proc / "cmdline").read_bytes()
-                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            if b"engine.core" in cmd and ppid == pid:
-                return int(proc.name)
-    raise AssertionError(f"no engine core process under {pid}")
+    return engine_core_pid(pid)

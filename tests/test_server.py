@@ -24,6 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from server.bench import soak
 from server.bench.serve import launch
 from tests.conftest import engine_core_of
 from tests.test_server_app import METRIC_NAMES, ROUTES, assert_error, check_response
@@ -84,11 +85,7 @@ def client(server):
 
 
 def engine_gauges(http: httpx.Client) -> dict[str, float]:
-    text = http.get("/metrics").text
-    found = re.findall(
-        r"^kiln:(num_requests_running|num_requests_waiting|kv_cache_usage_perc)\{[^}]*\} (\S+)$", text, re.M
-    )
-    return {name: float(value) for name, value in found}
+    return soak.engine_gauges(http.get("/metrics").text)
 
 
 def wait_idle(http: httpx.Client, timeout: float = 10.0) -> dict[str, float]:

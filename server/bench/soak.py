@@ -63,10 +63,15 @@ def _alive(pid: int) -> bool:
 
 def engine_core_pid(server_pid: int) -> int:
     """The server's child that runs the engine core."""
-    for task in Path(f"/proc/{server_pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            if b"engine.core" in Path(f"/proc/{child}/cmdline").read_bytes():
-                return int(child)
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes()
+                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):  # gone meanwhile
+                continue
+            if b"engine.core" in cmd and ppid == server_pid:
+                return int(proc.name)
     raise RuntimeError(f"no engine core under process {server_pid}")
 
 
@@ -226,11 +231,10 @@ async def _drive(
     return load
 
 
-def _gauges(url: str, headers: dict) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
-    found = re.findall(
-        r"^kiln:(num_requests_running|num_requests_waiting|kv_cache_usage_perc)\{[^}]*\} (\S+)$", text, re.M
-    )
+def engine_gauges(metrics: str) -> dict[str, float]:
+    """Requests running and waiting, and KV-cache use, from a /metrics page."""
+    names = "num_requests_running|num_requests_waiting|kv_cache_usage_perc"
+    found = re.findall(rf"^kiln:({names})\{{[^}}]*\}} (\S+)$", metrics, re.M)
     return {name: float(value) for name, value in found}
 
 
@@ -257,6 +261,9 @@ def run(
         name = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
         watches, baseline = [], {}
 
+        def metrics() -> str:
+            return httpx.get(url + "/metrics", headers=headers, timeout=10).text
+
         def on_warm() -> None:
             baseline.update({n: _rss(pid) for n, pid in pids.items()})
             watches.append(Watch(url, pids))
@@ -264,7 +271,7 @@ def run(
 
         load = asyncio.run(_drive(url, headers, name, requests, duration_s, clients, seed, clients, on_warm))
         deadline = time.monotonic() + 30
-        while any((gauges := _gauges(url, headers)).values()) and time.monotonic() < deadline:
+        while any((gauges := engine_gauges(metrics())).values()) and time.monotonic() < deadline:
             time.sleep(0.5)
         watch = watches[0]
         watch.finish()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -120,7 +121,7 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         singles, chunks = self.batch.split(so.num_scheduled_tokens)
         step = self.batch.prepare(singles, chunks, so.num_scheduled_tokens)
-        tokens, logprobs, prompt_logprobs = self._run(step)
+        tokens, logprobs, prompt_logprobs = self._run(step, so.grammar_bitmasks)
         out_tokens: dict[str, list[int]] = {}
         out_logprobs: dict[str, list[TokenLogprobs]] = {}
         for i, s in enumerate(step.sampled):
@@ -142,9 +143,11 @@ class ModelRunner:
             forward = self.policy.forward(step.meta.decode_only)
             return forward(step.token_ids, step.positions, step.meta)
 
-    def _run(self, step: StepBatch) -> tuple[list[int], list[TokenLogprobs] | None, dict]:
-        """Forward one packed step and sample its sampled rows: their tokens and logprobs, and the
-        prompt logprobs of the rows that score prompt tokens."""
+    def _run(
+        self, step: StepBatch, grammar_bitmasks: dict[str, np.ndarray] | None = None
+    ) -> tuple[list[int], list[TokenLogprobs] | None, dict]:
+        """Forward one packed step and sample its sampled rows (within their grammars, where they have one):
+        their tokens and logprobs, and the prompt logprobs of the rows that score prompt tokens."""
         hidden = self.hidden_states(step)
         prompt_logprobs = {
             s.req_id: (start + 1, self._prompt_logprobs(s, hidden[row : row + k], start))
@@ -153,7 +156,10 @@ class ModelRunner:
         if not step.sampled:
             return [], None, prompt_logprobs
         logits = self.model.compute_logits(hidden[self.batch.inputs.put("logits_index", step.logits_index)])
-        out = sample(logits, sampling_inputs(step.sampled, self.vocab_size, self.device))
+        meta = sampling_inputs(step.sampled, self.vocab_size, self.device)
+        if grammar_bitmasks:
+            meta.token_bitmask = self._bitmask(step.sampled, grammar_bitmasks)
+        out = sample(logits, meta)
         tokens = out.token_ids.tolist()
         if out.logprobs is None:
             return tokens, None, prompt_logprobs
@@ -165,6 +171,15 @@ class ModelRunner:
             n = s.sampling_params.logprobs or 0
             logprobs.append((lp[i], list(zip(top_ids[i][:n], top_lp[i][:n]))))
         return tokens, logprobs, prompt_logprobs
+
+    def _bitmask(self, sampled: list[CachedRequestState], masks: dict[str, np.ndarray]) -> Tensor:
+        """[S, words] int32 on the device: each constrained row's mask, every token allowed elsewhere."""
+        words = next(iter(masks.values())).shape[0]
+        rows = np.full((len(sampled), words), -1, dtype=np.int32)
+        for i, s in enumerate(sampled):
+            if (mask := masks.get(s.req_id)) is not None:
+                rows[i] = mask
+        return torch.from_numpy(rows).to(self.device, non_blocking=True)
 
     def _prompt_logprobs(self, s: CachedRequestState, hidden: Tensor, start: int) -> list[TokenLogprobs]:
         """Logprobs of prompt tokens start+1 .. start+len(hidden) from the rows before each, and the top-N;

@@ -53,6 +53,7 @@ class SamplingMetadata:
     output_counts: Tensor | None = None  # occurrences of each token in the row's output
     seen_mask: Tensor | None = None  # token occurs in the prompt or the output
     max_num_logprobs: int | None = None  # largest top-N any row asked for
+    token_bitmask: Tensor | None = None  # [S, ceil(V / 32)] int32: bit t of row i set iff row i may pick t
 
 
 @dataclass
@@ -91,11 +92,19 @@ def filter_probs(probs: Tensor, m: SamplingMetadata) -> Tensor:
     return probs
 
 
+def allowed_tokens(bitmask: Tensor, vocab_size: int) -> Tensor:
+    """[S, words] int32 -> [S, vocab_size] bool: token t is bit t % 32 (lowest first) of word t // 32."""
+    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    return ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab_size]
+
+
 def sample(logits: Tensor, m: SamplingMetadata) -> SamplerOutput:
     """logits [S, V] float32 -> one token per row; logprobs are of the raw model distribution."""
     out = SamplerOutput(token_ids=torch.empty(0))
     if m.max_num_logprobs is not None:
         raw = logits.log_softmax(-1)
+    if m.token_bitmask is not None:
+        logits = logits.masked_fill(~allowed_tokens(m.token_bitmask, logits.shape[-1]), float("-inf"))
     if m.repetition is not None:
         logits = apply_penalties(logits, m)
     greedy = logits.max(-1).indices  # the first maximum, as argmax, which is slower on CPU

@@ -2,9 +2,9 @@
 the engine core (scheduler, KV-cache manager, block pool). Nothing here imports torch: the worker is
 reached by name (engine/executor.py), so a server or `LLM` process never pays for it."""
 
-from engine.params import SamplingParams
+from engine.params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str):

@@ -37,10 +37,12 @@ from engine.messages import (
 )
 from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("kiln.core")
 
 STATS_INTERVAL_S = 5.0
+IDLE_WAIT_S = 0.005  # how long an empty step waits for a compiling grammar before looking for input again
 
 
 class EngineCore:
@@ -54,6 +56,7 @@ class EngineCore:
         self.config = c = self.executor.config
         start = time.perf_counter()
         self.num_blocks = self.executor.initialize()
+        self.structured = StructuredOutputManager(model_dir, self.executor.vocab_size)
         logger.info("engine ready in %.1f s after loading weights", time.perf_counter() - start)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -66,7 +69,8 @@ class EngineCore:
                 enable_chunked_prefill=c.enable_chunked_prefill,
                 long_prefill_token_threshold=c.long_prefill_token_threshold,
                 max_num_batched_tokens_decoding=c.max_num_batched_tokens_decoding,
-            )
+            ),
+            structured=self.structured,
         )
         self.scheduled_time: dict[str, float] = {}
         self._tokens = [0, 0]  # prompt, generation tokens since the last stats line
@@ -78,6 +82,7 @@ class EngineCore:
 
     def add_request(self, req: EngineCoreRequest) -> EngineCoreOutput | None:
         """Queue a request; one that can never run is finished at once ("abort", why in stop_reason)."""
+        so = req.sampling_params.structured_outputs
         request = Request(
             req.request_id,
             req.prompt_token_ids,
@@ -85,6 +90,7 @@ class EngineCore:
             req.eos_token_id,
             req.arrival_time,
             req.cache_salt,
+            None if so is None else self.structured.grammar(so, req.eos_token_id),
         )
         try:
             self.scheduler.add_request(request)
@@ -99,14 +105,16 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         so = self.scheduler.schedule()
+        failed = self.scheduler.take_failed()
         if so.is_empty:
             self.executor.execute_model(so)  # still drops the state of requests finished since the last step
-            return []
+            self.structured.wait(IDLE_WAIT_S)  # a grammar still compiling: don't spin on an empty step
+            return failed
         now = time.time()
         for new in so.new_reqs:
             self.scheduled_time.setdefault(new.req_id, now)
         runner_output = self.executor.execute_model(so)
-        outputs = self.scheduler.update_from_output(so, runner_output)
+        outputs = failed + self.scheduler.update_from_output(so, runner_output)
         # Multi-token chunks are prompt work (or recomputation after a preemption).
         self._tokens[0] += sum(n for n in so.num_scheduled_tokens.values() if n > 1)
         for out in outputs:

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from engine import structured_output
 from engine.errors import InvalidRequestError
 from engine.messages import EngineCoreRequest
 from engine.params import SamplingParams
@@ -86,6 +87,11 @@ class InputProcessor:
                     f"context of {limit} tokens",
                     field,
                 )
+        if params.structured_outputs is not None:
+            try:
+                structured_output.check(params.structured_outputs)
+            except ValueError as e:
+                raise InvalidRequestError(str(e), "structured_outputs") from None
         return msgspec.structs.replace(params, max_tokens=room) if params.max_tokens is None else params
 
     def process(

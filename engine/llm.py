@@ -10,9 +10,16 @@ from engine.errors import EngineDeadError, InvalidRequestError
 from engine.front_end import FrontEnd
 from engine.input_processor import Conversation, Prompt
 from engine.outputs import RequestOutput
-from engine.params import SamplingParams
+from engine.params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "EngineDeadError", "InvalidRequestError", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "EngineDeadError",
+    "InvalidRequestError",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 
 
 class LLM(FrontEnd):

@@ -2,11 +2,39 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 _INT32 = 2**31
 # Temperatures below this sample greedily: dividing logits by less overflows to inf/NaN.
 _SAMPLING_EPS = 1e-5
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Constrain the output to one of: a JSON schema (`json`, a dict or its text), any JSON object
+    (`json_object`), a regular expression, one of the `choice` strings, or a `grammar` (Lark or GBNF/EBNF).
+    vLLM's field names."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in self.__struct_fields__ if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, json_object, regex, choice, grammar "
+                f"(got {', '.join(given) or 'none'})"
+            )
+        if self.choice is not None and not (self.choice and all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in self.__struct_fields__ if getattr(self, name) not in (None, False))
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -35,6 +63,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # Logprob of every prompt token given the tokens before it, plus the top-N (the first token has none).
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

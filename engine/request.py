@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured_output import Grammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -42,6 +46,7 @@ class Request:
         eos_token_id: int | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        grammar: Grammar | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -49,6 +54,7 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
+        self.grammar = grammar  # the structured-output matcher, when the request has a constraint
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0

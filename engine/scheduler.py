@@ -19,11 +19,15 @@ import random
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.kv_cache_manager import KVCacheManager
 from engine.messages import EngineCoreOutput
 from engine.request import Request, RequestStatus
 from engine.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+
+if TYPE_CHECKING:
+    from engine.structured_output import StructuredOutputManager
 
 
 @dataclass(kw_only=True)
@@ -61,9 +65,16 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, eos_token_id: int | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        eos_token_id: int | None = None,
+        structured: StructuredOutputManager | None = None,
+    ) -> None:
         self.config = config
         self.eos_token_id = eos_token_id
+        self.structured = structured  # computes the grammar bitmasks of constrained requests
+        self.failed: list[EngineCoreOutput] = []  # requests ended before they ran, not yet reported
         self.kv_cache_manager = KVCacheManager(
             config.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -218,12 +229,18 @@ class Scheduler:
             i += 1
 
         # Admitting after a preemption would only take blocks the preempted requests need back.
-        waiting = self.waiting
+        waiting, skipped = self.waiting, []
         while not preempted and waiting and budget > 0 and len(running) < cfg.max_num_seqs:
             req = waiting[0]
             if req.status.finished:  # aborted while it waited
                 waiting.popleft()
                 self.num_stale_waiting -= 1
+                continue
+            if req.grammar is not None and not req.grammar.ready:  # compiling: the others go first
+                skipped.append(waiting.popleft())
+                continue
+            if req.grammar is not None and req.grammar.error is not None:
+                self._fail(waiting.popleft(), f"structured_outputs: {req.grammar.error}")
                 continue
             computed_blocks, num_hit = kv.get_computed_blocks(req)
             n = req.num_tokens - num_hit
@@ -259,8 +276,31 @@ class Scheduler:
             req.num_computed_tokens = num_hit + n
             budget -= n
 
+        waiting.extendleft(reversed(skipped))
         out.total_num_scheduled_tokens = full_budget - budget
+        self._grammar_bitmasks(out)
         return out
+
+    def _grammar_bitmasks(self, out: SchedulerOutput) -> None:
+        """The token masks of the constrained requests that sample this step (their chunk ends the prompt)."""
+        sampling = [
+            r
+            for rid in out.num_scheduled_tokens
+            if (r := self.requests[rid]).grammar is not None and r.num_computed_tokens >= r.num_tokens
+        ]
+        if sampling:
+            masks = self.structured.bitmask([r.grammar for r in sampling])
+            out.grammar_bitmasks = {r.request_id: row for r, row in zip(sampling, masks)}
+
+    def _fail(self, req: Request, why: str) -> None:
+        """Finish a waiting request (already out of the queue) that cannot run; reported by take_failed()."""
+        req.status, req.stop_reason = RequestStatus.FINISHED_ABORTED, why
+        self._release([req], num_waiting=0)
+        self.failed.append(EngineCoreOutput(req.request_id, [], finish_reason="abort", stop_reason=why))
+
+    def take_failed(self) -> list[EngineCoreOutput]:
+        failed, self.failed = self.failed, []
+        return failed
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv_cache_manager.free(req)
@@ -295,6 +335,8 @@ class Scheduler:
             for k, token in enumerate(token_ids):
                 req.append_output_token(token)
                 status = self._check_stop(req, token)
+                if req.grammar is not None and req.grammar.accept(token) and status is None:
+                    status = RequestStatus.FINISHED_STOPPED  # past a complete grammar (EOS ignored)
                 if status is not None:
                     token_ids = token_ids[: k + 1]
                     break

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.params import SamplingParams
 
 # (sampled token logprob, [(token id, logprob) for the top-N])
@@ -45,6 +47,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     # Finished, aborted or preempted since the last step: the runner drops their state.
     finished_req_ids: set[str] = field(default_factory=set)
+    # req_id -> int32 bitmask of the tokens its grammar allows next, for constrained requests sampling now.
+    grammar_bitmasks: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -8,9 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from engine import structured_output
 from engine.errors import EngineOverloadedError
-from engine.params import SamplingParams
-from server.errors import APIError, as_api_error, bad_param
+from engine.params import SamplingParams, StructuredOutputsParams
+from server.errors import APIError, as_api_error, bad_param, short
 from server.protocol import _SamplingRequest
 
 MAX_N = 128  # samples per prompt
@@ -58,6 +59,32 @@ def template_variables(template: str | None) -> frozenset[str] | None:
         return frozenset(jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template)))
     except jinja2.TemplateSyntaxError:
         return None
+
+
+def structured_outputs(b: _SamplingRequest) -> StructuredOutputsParams | None:
+    """A body's constraint: OpenAI's response_format or vLLM's structured_outputs, at most one of them."""
+    rf = b.response_format
+    if rf is None or rf.type == "text":
+        return b.structured_outputs
+    if b.structured_outputs is not None:
+        raise APIError(400, "set response_format or structured_outputs, not both", "response_format")
+    if rf.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if rf.type != "json_schema":
+        raise APIError(
+            400,
+            f"response_format.type must be 'text', 'json_object' or 'json_schema' (got {short(rf.type)})",
+            "response_format",
+        )
+    if rf.json_schema is None or rf.json_schema.schema is None:
+        raise APIError(400, "response_format.json_schema.schema is required", "response_format")
+    return StructuredOutputsParams(json=rf.json_schema.schema)
+
+
+def structured_param(b: _SamplingRequest) -> str:
+    """The body field a constraint came from, for the error that refuses it."""
+    rf = b.response_format
+    return "structured_outputs" if rf is None or rf.type == "text" else "response_format"
 
 
 class RequestLimits:
@@ -148,11 +175,25 @@ class RequestLimits:
             ignore_eos=bool(b.ignore_eos),
             include_stop_str_in_output=bool(b.include_stop_str_in_output),
             skip_special_tokens=True if b.skip_special_tokens is None else b.skip_special_tokens,
+            structured_outputs=structured_outputs(b),
         )
         try:
             return SamplingParams(**kwargs)
         except ValueError as e:
             raise bad_param(e) from None
+
+    @staticmethod
+    def check_structured(params: SamplingParams, param: str) -> None:
+        """Compile the constraint's grammar once, without the tokenizer (run off the event loop): a schema
+        the grammar library refuses is a 400 here, never an engine error."""
+        if params.structured_outputs is not None:
+            try:
+                structured_output.check(params.structured_outputs)
+            except ValueError as e:
+                message = str(e)
+                if param == "response_format":
+                    message = message.replace("structured_outputs.json", "response_format.json_schema.schema")
+                raise APIError(400, message, param) from None
 
     def check_size(self, prompts: int, params: SamplingParams, stream: bool) -> None:
         """Refuse, before any tokenizing, a request whose answer would be too large to build, or that

@@ -7,12 +7,26 @@ from typing import Any
 
 import msgspec
 
+from engine.params import StructuredOutputsParams
+
 # ---- request bodies ------------------------------------------------------------------------------
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False  # usage in every chunk, with include_usage
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None  # every schema is enforced in full
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str  # "text" | "json_object" | "json_schema"
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingRequest(msgspec.Struct, kw_only=True):
@@ -40,6 +54,8 @@ class _SamplingRequest(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
     return_token_ids: bool | None = False  # vLLM's: prompt_token_ids and token_ids in each choice
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # vLLM's: json, regex, choice, grammar
 
 
 class CompletionRequest(_SamplingRequest, kw_only=True):
@@ -55,10 +71,44 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn's answer to that call
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None  # every schema is enforced in full
+
+
+class ToolDefinition(msgspec.Struct, kw_only=True, omit_defaults=True):
+    type: str
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: str
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest, kw_only=True):
@@ -71,6 +121,9 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | NamedToolChoice | None = None  # "none" | "auto" (with tools) | "required" | named
+    parallel_tool_calls: bool | None = True
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -155,7 +208,8 @@ class ChatLogprobs(msgspec.Struct, kw_only=True):
 
 class ChatResponseMessage(msgspec.Struct, kw_only=True):
     role: str
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -177,9 +231,22 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):

@@ -13,7 +13,7 @@ from starlette.responses import Response
 from engine.outputs import CompletionOutput
 from engine.params import SamplingParams
 from server.errors import APIError, json_response
-from server.limits import MAX_LOGPROBS
+from server.limits import MAX_LOGPROBS, structured_param
 from server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -46,6 +46,7 @@ class ChatServing:
         mt = "max_completion_tokens" if b.max_completion_tokens is not None else "max_tokens"
         params = s.limits.sampling_params(b, getattr(b, mt), logprobs, mt)
         s.limits.check_size(1, params, bool(b.stream))
+        await s.offload(s.limits.check_structured, params, structured_param(b))
         kwargs = s.limits.template_kwargs(b.chat_template_kwargs)
         if b.continue_final_message:
             kwargs["continue_final_message"] = True

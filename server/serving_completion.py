@@ -16,6 +16,7 @@ from starlette.responses import Response
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.params import SamplingParams
 from server.errors import APIError, json_response
+from server.limits import structured_param
 from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from server.serving import PromptIds, Serving
 from server.streaming import ChoiceStream, has_news, usage_options
@@ -47,6 +48,7 @@ class CompletionServing:
         if b.echo and b.logprobs is not None:  # the echoed prompt comes with its tokens' logprobs
             params = msgspec.structs.replace(params, prompt_logprobs=b.logprobs)
         s.limits.check_size(_count(b.prompt), params, bool(b.stream))
+        await s.offload(s.limits.check_structured, params, structured_param(b))
         prompts = await s.offload(self.prompts, b.prompt)
         rid = f"cmpl-{uuid.uuid4().hex}"
         ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]

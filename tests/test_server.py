@@ -540,6 +540,139 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(http, smollm2
     assert first["logprobs"]["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:], abs=1e-5)
 
 
+# ---- structured outputs ----------------------------------------------------------------------------
+
+
+def _pydantic_cases():
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    class Person(BaseModel):
+        name: str
+        age: int
+
+    class Sentiment(BaseModel):
+        label: Literal["positive", "negative", "neutral"]
+
+    class Primes(BaseModel):
+        primes: list[int] = Field(max_length=3)
+
+    class Answer(BaseModel):
+        answer: int
+
+    class Country(BaseModel):
+        name: str
+        continent: str
+
+    class Book(BaseModel):
+        title: str
+        author: str
+
+    class Color(BaseModel):
+        name: str
+        hex: str
+
+    class Flag(BaseModel):
+        is_true: bool
+
+    class Planet(BaseModel):
+        name: str
+        moons: int
+
+    return [
+        ("What is the capital of France?", City),
+        ("Make up a person named Tom who is 30.", Person),
+        ("Classify the sentiment: I love this movie!", Sentiment),
+        ("List the first three prime numbers.", Primes),
+        ("What is 2 + 3?", Answer),
+        ("Which continent is Japan in?", Country),
+        ("Name a famous book and its author.", Book),
+        ("What color is the sky? Give its hex code.", Color),
+        ("Is water wet? Answer true or false.", Flag),
+        ("Tell me about Mars.", Planet),
+    ]
+
+
+def test_openai_parse_returns_the_pydantic_object(client):
+    """The SDK's structured outputs (a strict json_schema from a Pydantic model), ten at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def parse(case):
+        question, model = case
+        r = client.beta.chat.completions.parse(
+            model=MODEL,
+            messages=[{"role": "user", "content": question}],
+            response_format=model,
+            temperature=0,
+            max_tokens=200,
+        )
+        return model, r.choices[0]
+
+    with ThreadPoolExecutor(10) as pool:
+        for model, choice in pool.map(parse, _pydantic_cases()):
+            assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, model)
+            assert model.model_validate_json(choice.message.content) == choice.message.parsed
+
+
+def test_structured_outputs_on_both_endpoints_and_streams(http, client):
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    kw = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is 2 + 2?"}],
+        temperature=0,
+        max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+    )
+    full = client.chat.completions.create(**kw)
+    assert full.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(full.choices[0].message.content)["n"], int)
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        == full.choices[0].message.content
+    )
+    r = client.chat.completions.create(**{**kw, "response_format": {"type": "json_object"}}, n=2, seed=1)
+    assert all(isinstance(json.loads(c.message.content), dict) for c in r.choices)
+
+    body = {"model": MODEL, "prompt": "The answer is", "max_tokens": 8, "temperature": 0.7, "n": 3}
+    r = http.post("/v1/completions", json={**body, "structured_outputs": {"choice": ["yes", "no"]}})
+    assert {c["text"] for c in r.json()["choices"]} <= {"no", "yes"}, r.text
+    r = http.post("/v1/completions", json={**body, "structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}})
+    assert all(re.fullmatch("[0-9]{3}-[a-z]{2}", c["text"]) for c in r.json()["choices"]), r.text
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "says"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
+         "response_format", "response_format.json_schema.schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
+         "schema is required"),
+        ({"response_format": {"type": "yaml"}}, "response_format", "response_format.type"),
+        ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs", "structured_outputs.regex"),
+        ({"structured_outputs": {"grammar": "start: nothing_here"}}, "structured_outputs", "unknown name"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, None, "exactly one"),
+        ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}},
+         "response_format", "not both"),
+    ],
+)  # fmt: skip
+def test_bad_constraints_are_400s_that_cost_nothing(http, extra, param, says):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+    err = assert_error(http.post("/v1/chat/completions", json=body), 400, param)
+    assert says in err["message"], err
+    assert not any(wait_idle(http).values())
+
+
 def test_still_serving_after_everything(server, http, client):
     r = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=4, temperature=0)
     assert r.choices[0].text and r.usage.completion_tokens == 4

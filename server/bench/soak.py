@@ -212,7 +212,8 @@ async def _drive(
     warm: int,
     on_warm,
 ) -> Clients:
-    limits = httpx.Limits(max_connections=clients * 2, max_keepalive_connections=clients)
+    # Idle connections expire before uvicorn's 5 s keep-alive does: one the server is closing is never reused.
+    limits = httpx.Limits(max_connections=clients * 2, max_keepalive_connections=clients, keepalive_expiry=2)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120, limits=limits) as c:
         load = Clients(c, model, seed)
         kinds, weights = list(KINDS), list(KINDS.values())

@@ -1,0 +1,167 @@
+"""Structured outputs: a request's schema, regex, choice or grammar turned into a token mask per step.
+
+llguidance (Rust, no torch) matches the output against the grammar and, before each sampled token,
+computes which vocabulary entries keep it inside the grammar: a bitmask of 32-bit words per row, which
+the sampler applies on the logits' device. The engine core owns the matchers. Grammars compile on a
+thread pool (llguidance drops the GIL), never in the core's step: a request waits, skipped by the
+scheduler, until its grammar is ready. Compiled grammars are cached by their text; each request gets a
+copy of the cached matcher, so a schema seen before costs a copy, not a compile.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+from engine.params import StructuredOutputsParams
+
+logger = logging.getLogger("kiln.structured")
+
+# Between JSON tokens: nothing, one space, or a newline and its indentation. Unbounded whitespace lets a
+# small model stall in an endless run of newlines inside a valid document.
+JSON_WHITESPACE = r"(\n[ \t]{0,24}|[ ]?)"
+_EXCERPT = re.compile(r"\d+ \|")  # "   1 | start: /a(b/": the grammar line an error points into
+CACHE_SIZE = 256  # compiled grammars kept
+COMPILE_THREADS = 2
+
+
+def grammar_text(so: StructuredOutputsParams) -> str:
+    """The llguidance grammar for a request's constraint; ValueError (naming the field) if it is malformed."""
+    kind = so.kind
+    try:
+        if kind in ("json", "json_object"):
+            schema = {"type": "object"} if kind == "json_object" else so.json
+            if isinstance(schema, str):
+                schema = json.loads(schema)
+            if not isinstance(schema, dict):
+                raise ValueError("a JSON schema must be an object")
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                schema, defaults={"whitespace_pattern": JSON_WHITESPACE}
+            )
+        if kind == "choice":
+            return llguidance.grammar_from("choice", so.choice)
+        return llguidance.grammar_from("regex" if kind == "regex" else "grammar", getattr(so, kind))
+    except ValueError as e:
+        raise ValueError(f"structured_outputs.{kind}: {e}") from None
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _grammar_error(grammar: str) -> str:
+    return llguidance.LLMatcher.validate_grammar(grammar)
+
+
+def check(so: StructuredOutputsParams) -> None:
+    """ValueError naming the field unless the grammar compiles (without the tokenizer: the front end's
+    check, so that a bad schema never reaches the engine core)."""
+    error = _grammar_error(grammar_text(so))
+    if error:
+        raise ValueError(f"structured_outputs.{so.kind}: {one_line(error)}")
+
+
+def one_line(error: str) -> str:
+    """llguidance's message without the source excerpt and caret lines it draws under it."""
+    lines = (line.strip() for line in error.splitlines())
+    return " ".join(line for line in lines if line and line.strip("^ ") and not _EXCERPT.match(line))
+
+
+class Grammar:
+    """One request's matcher. Until `ready`, the grammar may still be compiling; once ready, either
+    `matcher` is set or `error` says why the grammar could not compile."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+        self.matcher: llguidance.LLMatcher | None = None
+        self.error: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        if self.matcher is None and self.error is None:
+            if not self.future.done():
+                return False
+            try:
+                self.matcher = self.future.result().deep_copy()
+            except Exception as e:
+                self.error = str(e) or type(e).__name__
+        return True
+
+    def accept(self, token: int) -> bool:
+        """Advance past a sampled token; True when the output must end here. A complete grammar admits only
+        EOS next, so the sequence still ends on a token as an unconstrained one does."""
+        complete = self.matcher.is_stopped()
+        if not self.matcher.consume_token(token):
+            logger.warning("a sampled token left the grammar: %s", self.matcher.get_error())
+            return True
+        return complete
+
+
+class StructuredOutputManager:
+    """The tokenizer view llguidance needs (built on first use: about a second), the compile pool and the
+    cache of compiled grammars; one per engine core."""
+
+    def __init__(self, tokenizer_dir: str, vocab_size: int) -> None:
+        self.tokenizer_dir, self.vocab_size = tokenizer_dir, vocab_size
+        self.pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="kiln-grammar")
+        self.executor = llguidance.LLExecutor(COMPILE_THREADS)
+        self.cache: OrderedDict[str, Future] = OrderedDict()  # grammar text -> its compile
+        self.pending: set[Future] = set()
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+
+    def grammar(self, so: StructuredOutputsParams, eos_token_id: int | None) -> Grammar:
+        """A matcher for `so`, compiling it in the background unless the cache holds it."""
+        try:
+            text = grammar_text(so)
+        except ValueError as e:
+            future: Future = Future()
+            future.set_exception(e)
+            return Grammar(future)
+        future = self.cache.get(text)
+        if future is None:
+            future = self.pool.submit(self._compile, text, eos_token_id)
+            self.pending.add(future)
+            future.add_done_callback(self.pending.discard)
+            self.cache[text] = future
+            if len(self.cache) > CACHE_SIZE:
+                self.cache.popitem(last=False)
+        else:
+            self.cache.move_to_end(text)
+        return Grammar(future)
+
+    def wait(self, timeout: float) -> None:
+        """Block until a compile finishes or `timeout` passes (the core's idle wait while one runs)."""
+        if self.pending:
+            wait_futures(list(self.pending), timeout, return_when="FIRST_COMPLETED")
+
+    def bitmask(self, grammars: list[Grammar]) -> np.ndarray:
+        """[len(grammars), words] int32: bit t of row i is set iff token t may come next for grammar i."""
+        mask = llguidance.numpy.allocate_token_bitmask(len(grammars), self.vocab_size)
+        llguidance.numpy.fill_next_token_bitmask_par(
+            self.executor, [(g.matcher, i) for i, g in enumerate(grammars)], mask
+        )
+        return mask
+
+    def _compile(self, text: str, eos_token_id: int | None) -> llguidance.LLMatcher:
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(eos_token_id), text, log_level=0)
+        if matcher.is_error():
+            raise ValueError(one_line(matcher.get_error()))
+        return matcher
+
+    def _llg_tokenizer(self, eos_token_id: int | None) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance.hf
+                from transformers import AutoTokenizer
+
+                hf = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+                self._tokenizer = llguidance.hf.from_tokenizer(hf, self.vocab_size, eos_token_id)
+            return self._tokenizer

@@ -1,0 +1,206 @@
+"""Structured outputs: the bitmask layout, the scheduler's handling of grammars still compiling or failed,
+and generation through LLM on a random-weight model (which follows no format of its own, so only the
+grammar keeps its outputs valid): every JSON schema, regex and choice output matches, over schemas and
+patterns Hypothesis draws."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import Future
+
+import jsonschema
+import llguidance.numpy
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from compiled.sampler import allowed_tokens
+from engine import structured_output
+from engine.llm import LLM, InvalidRequestError, SamplingParams, StructuredOutputsParams
+from engine.request import Request
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.structured_output import Grammar
+
+S = StructuredOutputsParams
+
+
+def test_params_take_exactly_one_constraint():
+    assert S(regex="a+").kind == "regex"
+    assert S(json_object=True).kind == "json_object"
+    for bad in ({}, {"regex": "a", "choice": ["a"]}, {"json_object": False}):
+        with pytest.raises(ValueError, match="exactly one"):
+            S(**bad)
+    with pytest.raises(ValueError, match="non-empty"):
+        S(choice=[])
+
+
+@pytest.mark.parametrize(
+    ("so", "says"),
+    [
+        (S(json={"type": "strin"}), "structured_outputs.json: Invalid type"),
+        (S(json='{"type": '), "structured_outputs.json"),
+        (S(json="[1]"), "must be an object"),
+        (S(regex="a(b"), "structured_outputs.regex: .*unclosed group"),
+        (S(grammar="start: foo"), "structured_outputs.grammar: .*unknown name"),
+        (S(grammar="root ::= ("), "structured_outputs.grammar"),
+    ],
+)
+def test_check_names_the_field(so, says):
+    with pytest.raises(ValueError, match=says):
+        structured_output.check(so)
+
+
+def test_bitmask_unpacks_as_llguidance_lays_it_out():
+    vocab = 100
+    mask = llguidance.numpy.allocate_token_bitmask(3, vocab)
+    mask[:] = 0
+    allowed = [[0, 31, 32, 99], [5], list(range(vocab))]
+    words = mask.view(np.uint32)
+    for row, tokens in enumerate(allowed):
+        for t in tokens:
+            words[row, t // 32] |= np.uint32(1 << (t % 32))
+    got = allowed_tokens(torch.from_numpy(mask), vocab)
+    assert got.shape == (3, vocab)
+    for row, tokens in enumerate(allowed):
+        assert got[row].nonzero().flatten().tolist() == tokens
+    logits = torch.zeros(1, vocab)
+    check = torch.from_numpy(mask[:1].copy())
+    masked = logits.masked_fill(~allowed_tokens(check, vocab), float("-inf"))
+    assert torch.isfinite(masked).nonzero()[:, 1].tolist() == allowed[0]
+
+
+def _scheduler() -> Scheduler:
+    return Scheduler(SchedulerConfig(max_model_len=64, num_blocks=16, block_size=4))
+
+
+def test_a_compiling_grammar_does_not_hold_the_batch():
+    sched = _scheduler()
+    compiling: Future = Future()
+    sched.add_request(
+        Request("g", [1, 2, 3], SamplingParams(max_tokens=4), eos_token_id=0, grammar=Grammar(compiling))
+    )
+    sched.add_request(Request("plain", [4, 5, 6], SamplingParams(max_tokens=4), eos_token_id=0))
+    out = sched.schedule()
+    assert [r.req_id for r in out.new_reqs] == ["plain"]
+    assert [r.request_id for r in sched.waiting] == ["g"]  # still first in line
+
+    failed: Future = Future()
+    failed.set_exception(ValueError("no such rule"))
+    sched.add_request(Request("bad", [7, 8], SamplingParams(), eos_token_id=0, grammar=Grammar(failed)))
+    sched.schedule()
+    (gone,) = sched.take_failed()
+    assert gone.request_id == "bad" and gone.finish_reason == "abort"
+    assert "no such rule" in gone.stop_reason
+    assert "bad" not in sched.requests and sched.take_failed() == []
+    assert [r.request_id for r in sched.waiting] == ["g"]
+    sched.finish_requests(["g", "plain"], sched.requests["g"].status.FINISHED_ABORTED)
+    assert sched.kv_cache_manager.usage == 0.0  # nothing leaked
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_chat_model):
+    with LLM(tiny_chat_model, dtype="float32", enforce_eager=True, max_num_seqs=16) as engine:
+        yield engine
+
+
+# Bounded parts only: a random-weight model stops a document only where the grammar leaves no choice.
+_KEYS = ["id", "name", "tags", "ok", "n"]
+_ENUM = ["red", "green", "a b", "7", 'x"y']
+_leaf = st.one_of(
+    st.just({"type": "boolean"}),
+    st.builds(
+        lambda lo, w: {"type": "integer", "minimum": lo, "maximum": lo + w},
+        st.integers(-50, 50),
+        st.integers(0, 500),
+    ),
+    st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 6)),
+    st.builds(lambda xs: {"enum": xs}, st.lists(st.sampled_from(_ENUM), min_size=1, max_size=3, unique=True)),
+)
+
+
+@st.composite
+def _object(draw, children):
+    keys = draw(st.lists(st.sampled_from(_KEYS), min_size=1, max_size=3, unique=True))
+    return {
+        "type": "object",
+        "properties": {k: draw(children) for k in keys},
+        "required": sorted(draw(st.sets(st.sampled_from(keys)))),
+        "additionalProperties": False,
+    }
+
+
+def _array(children):
+    return st.builds(
+        lambda items, n: {"type": "array", "items": items, "maxItems": n}, children, st.integers(0, 3)
+    )
+
+
+_schema = _object(st.recursive(_leaf, lambda c: st.one_of(_object(c), _array(c)), max_leaves=3))
+
+
+_regex = st.lists(
+    st.sampled_from([r"[a-z]{1,4}", r"[0-9]{2}", r"-", r"(ab|cd)", r"\.", r"[A-F0-9]{0,3}", r"x?"]),
+    min_size=1,
+    max_size=4,
+).map("".join)
+_choice = st.lists(st.text("abcxyz -", min_size=1, max_size=6), min_size=1, max_size=4, unique=True)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schema=_schema, regex=_regex, choice=_choice, seed=st.integers(0, 2**32))
+def test_outputs_match_their_constraint(llm, schema, regex, choice, seed):
+    params = [
+        SamplingParams(n=2, seed=seed, max_tokens=300, structured_outputs=so)
+        for so in (S(json=schema), S(regex=regex), S(choice=choice))
+    ]
+    json_out, regex_out, choice_out = llm.generate(["Answer:"] * 3, params, use_tqdm=False)
+    for c in json_out.outputs:
+        assert c.finish_reason == "stop", (schema, c.text)
+        jsonschema.validate(json.loads(c.text), schema)
+    for c in regex_out.outputs:
+        assert c.finish_reason == "stop" and re.fullmatch(regex, c.text), (regex, c.text)
+    for c in choice_out.outputs:
+        assert c.finish_reason == "stop" and c.text in choice, (choice, c.text)
+
+
+def test_any_json_object_and_a_grammar(llm):
+    outs = llm.generate(
+        ["Hi"] * 2,
+        [
+            SamplingParams(temperature=0, max_tokens=200, structured_outputs=S(json_object=True)),
+            SamplingParams(
+                seed=3, max_tokens=20, structured_outputs=S(grammar='root ::= "a" ("b" | "c"){1,5}')
+            ),
+        ],
+        use_tqdm=False,
+    )
+    text = outs[0].outputs[0].text
+    assert text.startswith("{") and outs[0].outputs[0].finish_reason in ("stop", "length")
+    if outs[0].outputs[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    assert re.fullmatch("a[bc]{1,5}", outs[1].outputs[0].text)
+
+
+def test_unconstrained_rows_sample_as_before(llm):
+    """A constrained row in the batch changes nothing for the others (greedy, token for token)."""
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    alone = llm.generate(["Once upon a time"], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    mixed = llm.generate(
+        ["Once upon a time", "Pick"],
+        [
+            greedy,
+            SamplingParams(temperature=0, max_tokens=12, structured_outputs=S(choice=["left", "right"])),
+        ],
+        use_tqdm=False,
+    )
+    assert mixed[0].outputs[0].token_ids == alone
+    assert mixed[1].outputs[0].text in ("left", "right")
+
+
+def test_bad_constraint_is_refused_before_the_engine(llm):
+    with pytest.raises(InvalidRequestError, match=r"structured_outputs\.regex"):
+        llm.generate("x", SamplingParams(structured_outputs=S(regex="(")), use_tqdm=False)
+    assert llm.get_stats()["num_running"] == 0 and llm.get_stats()["kv_cache_usage"] == 0.0

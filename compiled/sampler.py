@@ -29,7 +29,8 @@ def uniform_noise(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
     row = _fmix32(s ^ _fmix32((steps * 0x9E3779B9 + 0x7F4A7C15) & _M32))
     col = (torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) * 0x27D4EB2F) & _M32
     bits = _fmix32(row[:, None] ^ col[None, :])
-    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    # 23 bits: k + 0.5 is exact in float32, so no draw rounds up to 1 (where -log u = 0 would win the race).
+    return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass

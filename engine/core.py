@@ -56,7 +56,9 @@ class EngineCore:
         self.config = c = self.executor.config
         start = time.perf_counter()
         self.num_blocks = self.executor.initialize()
-        self.structured = StructuredOutputManager(model_dir, self.executor.vocab_size)
+        self.structured = StructuredOutputManager(
+            model_dir, self.executor.vocab_size, parallel_masks=self.executor.device != "cpu"
+        )
         logger.info("engine ready in %.1f s after loading weights", time.perf_counter() - start)
         self.scheduler = Scheduler(
             SchedulerConfig(

@@ -53,10 +53,13 @@ class LLM(FrontEnd):
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the chat template."""
+        """Generate replies to one conversation or a list of them, through the chat template (which renders
+        `tools`, OpenAI-style function definitions, where it has a syntax for them)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.chat_prompt(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
+        kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        prompts = [self.chat_prompt(c, add_generation_prompt, kwargs or None) for c in conversations]
         return self._run(prompts, sampling_params, use_tqdm)
 
     def _run(self, prompts: list[Prompt], params, use_tqdm: bool) -> list[RequestOutput]:

@@ -335,8 +335,12 @@ class Scheduler:
             for k, token in enumerate(token_ids):
                 req.append_output_token(token)
                 status = self._check_stop(req, token)
-                if req.grammar is not None and req.grammar.accept(token) and status is None:
-                    status = RequestStatus.FINISHED_STOPPED  # past a complete grammar (EOS ignored)
+                if req.grammar is not None and req.grammar.accept(token):
+                    if req.grammar.error is not None:
+                        status = RequestStatus.FINISHED_ABORTED
+                        req.stop_reason = f"structured_outputs: {req.grammar.error}"
+                    elif status is None:
+                        status = RequestStatus.FINISHED_STOPPED  # past a complete grammar (EOS ignored)
                 if status is not None:
                     token_ids = token_ids[: k + 1]
                     break

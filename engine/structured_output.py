@@ -27,9 +27,9 @@ from engine.params import StructuredOutputsParams
 
 logger = logging.getLogger("kiln.structured")
 
-# Between JSON tokens: nothing, one space, or a newline and its indentation. Unbounded whitespace lets a
-# small model stall in an endless run of newlines inside a valid document.
-JSON_WHITESPACE = r"(\n[ \t]{0,24}|[ ]?)"
+# JSON as json.dumps writes it: `{"a": 1, "b": [2, 3]}`. Free whitespace lets a small model stall in an
+# endless run of newlines inside a valid document, and bounded runs make the parser's steps too complex.
+JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _EXCERPT = re.compile(r"\d+ \|")  # "   1 | start: /a(b/": the grammar line an error points into
 CACHE_SIZE = 256  # compiled grammars kept
 COMPILE_THREADS = 2
@@ -45,9 +45,7 @@ def grammar_text(so: StructuredOutputsParams) -> str:
                 schema = json.loads(schema)
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema must be an object")
-            return llguidance.LLMatcher.grammar_from_json_schema(
-                schema, defaults={"whitespace_pattern": JSON_WHITESPACE}
-            )
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORMAT)
         if kind == "choice":
             return llguidance.grammar_from("choice", so.choice)
         return llguidance.grammar_from("regex" if kind == "regex" else "grammar", getattr(so, kind))
@@ -95,23 +93,32 @@ class Grammar:
         return True
 
     def accept(self, token: int) -> bool:
-        """Advance past a sampled token; True when the output must end here. A complete grammar admits only
-        EOS next, so the sequence still ends on a token as an unconstrained one does."""
+        """Advance past a sampled token; True when the output must end here: past a complete grammar (which
+        admits only EOS, so the sequence still ends on a token as an unconstrained one does), or on an error
+        (`error` says which)."""
+        if self.error is not None:
+            return True
         complete = self.matcher.is_stopped()
         if not self.matcher.consume_token(token):
-            logger.warning("a sampled token left the grammar: %s", self.matcher.get_error())
+            self._failed()
             return True
         return complete
+
+    def _failed(self) -> None:
+        self.error = one_line(self.matcher.get_error()) or "the grammar failed"
+        logger.warning("structured output ended by a grammar error: %s", self.error)
 
 
 class StructuredOutputManager:
     """The tokenizer view llguidance needs (built on first use: about a second), the compile pool and the
     cache of compiled grammars; one per engine core."""
 
-    def __init__(self, tokenizer_dir: str, vocab_size: int) -> None:
+    def __init__(self, tokenizer_dir: str, vocab_size: int, parallel_masks: bool = False) -> None:
         self.tokenizer_dir, self.vocab_size = tokenizer_dir, vocab_size
         self.pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="kiln-grammar")
-        self.executor = llguidance.LLExecutor(COMPILE_THREADS)
+        # Masks on a thread pool only where the model leaves the cores free (a GPU): on a CPU the pool's
+        # threads would take the cores from the model's, for masks that take microseconds each.
+        self.executor = llguidance.LLExecutor() if parallel_masks else None
         self.cache: OrderedDict[str, Future] = OrderedDict()  # grammar text -> its compile
         self.pending: set[Future] = set()
         self._tokenizer: llguidance.LLTokenizer | None = None
@@ -145,9 +152,20 @@ class StructuredOutputManager:
     def bitmask(self, grammars: list[Grammar]) -> np.ndarray:
         """[len(grammars), words] int32: bit t of row i is set iff token t may come next for grammar i."""
         mask = llguidance.numpy.allocate_token_bitmask(len(grammars), self.vocab_size)
-        llguidance.numpy.fill_next_token_bitmask_par(
-            self.executor, [(g.matcher, i) for i, g in enumerate(grammars)], mask
-        )
+        if self.executor is not None and len(grammars) > 1:
+            llguidance.numpy.fill_next_token_bitmask_par(
+                self.executor, [(g.matcher, i) for i, g in enumerate(grammars)], mask
+            )
+        else:
+            for i, g in enumerate(grammars):
+                llguidance.numpy.fill_next_token_bitmask(g.matcher, mask, i)
+        for i, g in enumerate(grammars):
+            if g.error is None and g.matcher.is_error():  # e.g. the parser's step limits: no mask to trust
+                g._failed()
+            if g.error is not None:  # only EOS, and accept() ends the request
+                eos = self._tokenizer.eos_token
+                mask[i] = 0
+                mask.view(np.uint32)[i, eos // 32] = 1 << (eos % 32)
         return mask
 
     def _compile(self, text: str, eos_token_id: int | None) -> llguidance.LLMatcher:

@@ -230,10 +230,13 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     trust_request_chat_template: bool = False,
     sanitize_special_tokens: bool = False,
+    tool_call_parser: str | None = None,
 ) -> Starlette:
     """The HTTP app over an AsyncLLM (or anything with its attributes: tokenizer, processor, max_model_len,
     model_name, dead, generate, chat_prompt, get_stats, check_capacity)."""
-    serving = Serving(llm, max_body_bytes, trust_request_chat_template, sanitize_special_tokens)
+    serving = Serving(
+        llm, max_body_bytes, trust_request_chat_template, sanitize_special_tokens, tool_call_parser
+    )
     misc, completion, chat = Routes(serving), CompletionServing(serving), ChatServing(serving)
     routes = [
         Route("/health", _route(misc.health), methods=["GET"]),
@@ -292,6 +295,7 @@ def serve(
     log_level: str = "info",
     trust_request_chat_template: bool = False,
     sanitize_special_tokens: bool = False,
+    tool_call_parser: str | None = None,
     shutdown_timeout: float = 30.0,
     exit_on_engine_death: bool = False,
 ) -> int:
@@ -355,7 +359,14 @@ def serve(
     try:
         logger.info("loading the model and warming up the engine; %s opens once it is ready", url)
         llm = AsyncLLM(model, **engine_args)
-        app = build_app(llm, api_key, max_body_bytes, trust_request_chat_template, sanitize_special_tokens)
+        app = build_app(
+            llm,
+            api_key,
+            max_body_bytes,
+            trust_request_chat_template,
+            sanitize_special_tokens,
+            tool_call_parser,
+        )
         serving = app.state.server
         config = uvicorn_config(app, c.max_num_seqs + c.max_pending_requests + 256, log_level)
         server = _Server(config)

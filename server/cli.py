@@ -73,6 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_level=args.uvicorn_log_level,
         trust_request_chat_template=args.trust_request_chat_template,
         sanitize_special_tokens=args.sanitize_special_tokens,
+        tool_call_parser=args.tool_call_parser,
         shutdown_timeout=args.shutdown_timeout,
         exit_on_engine_death=args.exit_on_engine_death,
     )
@@ -82,6 +83,7 @@ def add_serve_parser(sub) -> None:
     import os
 
     from server.api import DEFAULT_MAX_BODY_BYTES
+    from server.tools import PARSERS
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     serve.add_argument(
@@ -122,6 +124,13 @@ def add_serve_parser(sub) -> None:
         action="store_true",
         help="remove special-token strings (e.g. <|im_start|>) from chat message content, so that a user "
         "cannot type role markers; default: kept, as vLLM does",
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=list(PARSERS),
+        default=None,
+        help="how the model writes tool calls, for tool_choice 'auto' (default: what the chat template "
+        "implies: hermes for <tool_call>, llama3_json for <|python_tag|>)",
     )
     serve.add_argument(
         "--trust-request-chat-template",

@@ -191,8 +191,9 @@ class RequestLimits:
                 structured_output.check(params.structured_outputs)
             except ValueError as e:
                 message = str(e)
-                if param == "response_format":
-                    message = message.replace("structured_outputs.json", "response_format.json_schema.schema")
+                source = {"response_format": "response_format.json_schema.schema", "tools": "tools"}
+                if param in source:
+                    message = message.replace("structured_outputs.json", source[param])
                 raise APIError(400, message, param) from None
 
     def check_size(self, prompts: int, params: SamplingParams, stream: bool) -> None:

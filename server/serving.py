@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -29,7 +30,7 @@ from server.errors import APIError, as_api_error, bad_param, encode, short, vali
 from server.limits import RequestLimits
 from server.logprobs import TokenStrings
 from server.metrics import RequestTracker, ServerMetrics
-from server.protocol import ChatMessage, UsageInfo
+from server.protocol import ChatMessage, ToolCall, UsageInfo
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 BODY_TIMEOUT_S = 30.0  # to receive a whole request body
@@ -105,6 +106,16 @@ def special_strings(tokenizer) -> list[str]:
     return sorted((s for s in found if s), key=len, reverse=True)
 
 
+def template_call(call: ToolCall) -> dict:
+    """An earlier turn's call as chat templates read it: its arguments an object, not JSON text."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        arguments = call.function.arguments
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
+
+
 class Serving:
     """The endpoints' shared state (the engine front end, metrics, token strings) and plumbing."""
 
@@ -114,8 +125,10 @@ class Serving:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         trust_request_chat_template: bool = False,
         sanitize_special_tokens: bool = False,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.llm = llm
+        self.tool_call_parser = tool_call_parser  # None: the one the chat template implies, if any
         # Special-token strings typed into message content would become real role markers.
         self.special_strings = special_strings(llm.tokenizer) if sanitize_special_tokens else []
         self.max_body_bytes = max_body_bytes
@@ -223,10 +236,10 @@ class Serving:
         conversation = []
         for i, msg in enumerate(messages):
             role = "system" if msg.role == "developer" else msg.role
-            if role not in ("system", "user", "assistant"):
+            if role not in ("system", "user", "assistant", "tool"):
                 raise APIError(
                     400,
-                    f"messages[{i}].role must be system, user or assistant (got {short(msg.role)})",
+                    f"messages[{i}].role must be system, user, assistant or tool (got {short(msg.role)})",
                     f"messages[{i}].role",
                 )
             content = msg.content
@@ -248,7 +261,12 @@ class Serving:
                 content = ""
             for special in self.special_strings:
                 content = content.replace(special, "")
-            conversation.append({"role": role, "content": content})
+            message: dict[str, Any] = {"role": role, "content": content}
+            if role == "tool" and msg.tool_call_id is not None:
+                message["tool_call_id"] = msg.tool_call_id
+            if role == "assistant" and msg.tool_calls:
+                message["tool_calls"] = [template_call(c) for c in msg.tool_calls]
+            conversation.append(message)
         try:
             return self.llm.chat_prompt(conversation, add_generation_prompt, kwargs)
         except InvalidRequestError as e:

@@ -7,11 +7,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
 from engine.outputs import CompletionOutput
 from engine.params import SamplingParams
+from server import tools
 from server.errors import APIError, json_response
 from server.limits import MAX_LOGPROBS, structured_param
 from server.protocol import (
@@ -21,7 +23,11 @@ from server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatResponseMessage,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
 )
 from server.serving import PromptIds, Serving
 from server.streaming import ChoiceStream, has_news, usage_options
@@ -30,6 +36,10 @@ from server.streaming import ChoiceStream, has_news, usage_options
 class ChatServing:
     def __init__(self, serving: Serving) -> None:
         self.s = serving
+        variables = serving.limits.template_variables
+        self.renders_tools = variables is None or "tools" in variables
+        template = getattr(serving.llm.tokenizer, "chat_template", None)
+        self.parser = serving.tool_call_parser or tools.default_parser(template)
 
     async def create(self, request: Request) -> Response:
         s = self.s
@@ -45,9 +55,19 @@ class ChatServing:
         logprobs = (b.top_logprobs or 0) if b.logprobs else None
         mt = "max_completion_tokens" if b.max_completion_tokens is not None else "max_tokens"
         params = s.limits.sampling_params(b, getattr(b, mt), logprobs, mt)
+        plan = tools.plan(b, self.renders_tools, self.parser)
+        param = structured_param(b)
+        if plan is not None and plan.structured is not None:
+            if params.structured_outputs is not None:
+                raise APIError(
+                    400, "a required or named tool_choice cannot be combined with " + param, "tool_choice"
+                )
+            params, param = msgspec.structs.replace(params, structured_outputs=plan.structured), "tools"
         s.limits.check_size(1, params, bool(b.stream))
-        await s.offload(s.limits.check_structured, params, structured_param(b))
+        await s.offload(s.limits.check_structured, params, param)
         kwargs = s.limits.template_kwargs(b.chat_template_kwargs)
+        if plan is not None and plan.template_tools:
+            kwargs["tools"] = plan.template_tools
         if b.continue_final_message:
             kwargs["continue_final_message"] = True
         add_generation_prompt = b.add_generation_prompt is not False and not b.continue_final_message
@@ -57,21 +77,30 @@ class ChatServing:
         gen = s.generate(s.prepare(rid, prompt.ids, params, b.cache_salt))
         created = int(time.time())
         if b.stream:
-            include_usage, continuous = usage_options(b.stream_options)
+            usage = usage_options(b.stream_options)
             return s.sse(
-                self.chunks(
-                    rid, created, prompt, params, gen, include_usage, continuous, bool(b.return_token_ids)
-                )
+                self.chunks(rid, created, prompt, params, gen, usage, bool(b.return_token_ids), plan)
             )
         (final,) = await s.until_disconnected(request, s.collect([gen]))
         choices = []
         for c in final.outputs:
             lps = None if logprobs is None else s.tokens.chat_logprobs(c.token_ids, c.logprobs or [])
+            message = ChatResponseMessage(role="assistant", content=c.text)
+            finish_reason = c.finish_reason
+            if plan is not None and plan.parser is not None:
+                parsed = plan.parse(c.text, final=True)
+                if parsed.calls:
+                    message.content = parsed.content if parsed.content.strip() else None
+                    message.tool_calls = [
+                        ToolCall(id=tools.call_id(), function=FunctionCall(name=name, arguments=arguments))
+                        for name, arguments in parsed.calls
+                    ]
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             choice = ChatChoice(
                 index=c.index,
-                message=ChatResponseMessage(role="assistant", content=c.text),
+                message=message,
                 logprobs=lps,
-                finish_reason=c.finish_reason,
+                finish_reason=finish_reason,
                 stop_reason=c.stop_reason,
             )
             if b.return_token_ids:
@@ -94,11 +123,14 @@ class ChatServing:
         prompt: PromptIds,
         params: SamplingParams,
         gen,
-        include_usage: bool,
-        continuous_usage: bool,
+        usage: tuple[bool, bool],  # (in a last chunk, in every chunk)
         token_ids: bool,
+        plan: tools.ToolPlan | None,
     ) -> AsyncIterator[ChatCompletionChunk]:
         s = self.s
+        include_usage, continuous_usage = usage
+        parsing = plan is not None and plan.parser is not None
+        sent: dict[int, tuple[int, int]] = {}  # choice index -> (content characters, calls) sent so far
 
         chunk = functools.partial(
             ChatCompletionChunk, id=rid, object="chat.completion.chunk", created=created, model=s.model_name
@@ -108,13 +140,31 @@ class ChatServing:
             logprobs = None
             if params.logprobs is not None and c.delta_token_ids:
                 logprobs = s.tokens.chat_logprobs(c.delta_token_ids, c.delta_logprobs)
-            if not has_news(c, c.delta_text, logprobs, token_ids):
+            text, calls, finish_reason = c.delta_text, None, c.finish_reason
+            if parsing:  # the text of a call still being written is held until the call is whole
+                parsed = plan.parse(c.text, final=c.finished)
+                chars, num_calls = sent.get(index, (0, 0))
+                text = parsed.content[chars:]
+                calls = [
+                    DeltaToolCall(
+                        index=k,
+                        id=tools.call_id(),
+                        type="function",
+                        function=DeltaFunctionCall(name=name, arguments=arguments),
+                    )
+                    for k, (name, arguments) in enumerate(parsed.calls)
+                    if k >= num_calls
+                ] or None
+                sent[index] = (len(parsed.content), len(parsed.calls))
+                if parsed.calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            if not has_news(c, text, logprobs, token_ids) and not calls:
                 return None
             out = ChatChunkChoice(
                 index=index,
-                delta=DeltaMessage(content=c.delta_text or None),
+                delta=DeltaMessage(content=text or None, tool_calls=calls),
                 logprobs=logprobs,
-                finish_reason=c.finish_reason,
+                finish_reason=finish_reason,
                 stop_reason=c.stop_reason,
             )
             if token_ids:
@@ -132,7 +182,7 @@ class ChatServing:
         yield chunk(choices=first)
         stream = ChoiceStream([gen], params.n, choice)
         async for choices in stream:
-            usage = s.usage([prompt], generated=stream.generated) if continuous_usage else None
-            yield chunk(choices=choices, usage=usage)
+            stats = s.usage([prompt], generated=stream.generated) if continuous_usage else None
+            yield chunk(choices=choices, usage=stats)
         if include_usage:
             yield chunk(choices=[], usage=s.usage([prompt], generated=stream.generated))

@@ -296,3 +296,20 @@ def test_gpu_check_refuses_cpu_only_machine_clearly(tiny_chat_model):
         from server.bench import gpu_check
 
         gpu_check.run(tiny_chat_model)
+
+
+def test_bench_structured_on_a_tiny_model(tiny_chat_model, tmp_path, capsys):
+    out = tmp_path / "s.json"
+    args = ["bench", "structured", "--model", tiny_chat_model, *TINY_ENGINE, "--output-len", "12"]
+    assert main([*args, "--rounds", "2", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert set(r["batches"]) == {"1", "16"}
+    for b in r["batches"].values():
+        assert b["free_ms"] > 0 and b["json_ms"] > 0
+        assert b["overhead"] == pytest.approx(b["json_ms"] / b["free_ms"] - 1)
+    assert all(v > 0 for v in r["ttft_ms"].values()) and set(r["ttft_ms"]) == {
+        "first_seen",
+        "cached",
+        "unconstrained",
+    }
+    assert "with a JSON schema" in capsys.readouterr().out

@@ -133,6 +133,26 @@ def test_uniform_noise_is_uniform_and_in_the_open_interval():
     assert abs(float(u.mean()) - 0.5) < 0.005 and abs(float(u.var()) - 1 / 12) < 0.002
 
 
+def test_no_draw_reaches_one():
+    """Every 23-bit value maps below 1 (at 24 bits, k + 0.5 rounds up to 2^24 in float32 for the top k)."""
+    top = torch.tensor([(1 << 23) - 1], dtype=torch.int64)
+    assert float((top.float() + 0.5) * (1.0 / (1 << 23))) < 1.0
+    u = uniform_noise(torch.arange(8), torch.zeros(8, dtype=torch.int64), 1 << 20)
+    assert float(u.max()) < 1.0 and float(u.min()) > 0.0
+
+
+def test_a_token_bitmask_is_never_left():
+    from compiled.sampler import allowed_tokens
+
+    rows, vocab = 512, 49152
+    bitmask = torch.zeros(rows, vocab // 32, dtype=torch.int32)
+    bitmask[:, 0] = (1 << 7) | (1 << 9)
+    m = meta(rows, seeds=list(range(rows)), token_bitmask=bitmask)
+    out = sample(torch.randn(rows, vocab), m)
+    assert set(out.token_ids.tolist()) <= {7, 9}
+    assert allowed_tokens(bitmask, vocab)[0].nonzero().flatten().tolist() == [7, 9]
+
+
 @pytest.mark.parametrize("n", [0, 3])
 def test_logprobs_are_the_raw_distribution(n):
     logits = torch.randn(2, 30)

@@ -673,6 +673,37 @@ def test_bad_constraints_are_400s_that_cost_nothing(http, extra, param, says):
     assert not any(wait_idle(http).values())
 
 
+def test_tool_calls_on_a_model_without_tool_syntax(client, http):
+    """SmolLM2's template renders no tools: a named or required call still comes back well formed (the
+    grammar writes the syntax), and `auto`, which would need the model to know of the tools, is a 400."""
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
+                "required": ["city", "days"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    messages = [{"role": "user", "content": "What will the weather be in Paris for the next 3 days?"}]
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        r = client.chat.completions.create(
+            model=MODEL, messages=messages, tools=[weather], tool_choice=choice, temperature=0, max_tokens=60
+        )
+        (call,) = r.choices[0].message.tool_calls
+        arguments = json.loads(call.function.arguments)
+        assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
+        assert isinstance(arguments["city"], str) and arguments["days"] >= 1
+    body = {"model": MODEL, "messages": messages, "tools": [weather], "max_tokens": 8}
+    assert (
+        "does not render tools"
+        in assert_error(http.post("/v1/chat/completions", json=body), 400, "tools")["message"]
+    )
+
+
 def test_still_serving_after_everything(server, http, client):
     r = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=4, temperature=0)
     assert r.choices[0].text and r.usage.completion_tokens == 4

@@ -22,7 +22,8 @@ from engine import structured_output
 from engine.llm import LLM, InvalidRequestError, SamplingParams, StructuredOutputsParams
 from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.structured_output import Grammar
+from engine.step import ModelRunnerOutput
+from engine.structured_output import Grammar, StructuredOutputManager
 
 S = StructuredOutputsParams
 
@@ -204,3 +205,21 @@ def test_bad_constraint_is_refused_before_the_engine(llm):
     with pytest.raises(InvalidRequestError, match=r"structured_outputs\.regex"):
         llm.generate("x", SamplingParams(structured_outputs=S(regex="(")), use_tqdm=False)
     assert llm.get_stats()["num_running"] == 0 and llm.get_stats()["kv_cache_usage"] == 0.0
+
+
+def test_a_grammar_error_ends_the_request(tiny_chat_model):
+    manager = StructuredOutputManager(tiny_chat_model, 49152)
+    grammar = manager.grammar(S(choice=["yes"]), eos_token_id=2)
+    grammar.future.result(timeout=60)
+    sched = Scheduler(SchedulerConfig(max_model_len=64, num_blocks=16, block_size=4), structured=manager)
+    sched.add_request(Request("r", [5, 6], SamplingParams(), eos_token_id=2, grammar=grammar))
+    so = sched.schedule()
+    (row,) = so.grammar_bitmasks["r"][None]
+    assert not row.view(np.uint32)[0] & (1 << 2)  # no EOS before "yes"
+    no = manager._tokenizer.tokenize_str("no")[0]
+    (out,) = sched.update_from_output(so, ModelRunnerOutput(["r"], [[no]]))  # a token outside the mask
+    assert out.finish_reason == "abort" and "doesn't satisfy" in out.stop_reason
+    assert out.stop_reason.startswith("structured_outputs: ") and sched.kv_cache_manager.usage == 0.0
+    # A matcher in error allows only EOS from then on.
+    (row,) = manager.bitmask([grammar])
+    assert allowed_tokens(torch.from_numpy(row[None]), 49152).nonzero()[:, 1].tolist() == [2]

@@ -96,6 +96,11 @@ def run(args: argparse.Namespace) -> int:
             with bench_serve.launch(args.launch or None, flags) as (url, _):
                 result = serve_run(url)
         print(bench_serve.format_report(result))
+    elif args.bench == "structured":
+        from server.bench import structured
+
+        result = structured.run(args.model, engine_args(args), args.output_len, args.rounds)
+        print(structured.format_report(result))
     elif args.bench == "soak":
         from server.bench import soak
 
@@ -232,7 +237,14 @@ def parser() -> argparse.ArgumentParser:
     soak.add_argument("--seed", type=int, default=0)
     soak.add_argument("--server-log", default=None, help="keep the server's output in this file")
     add_engine_args(soak)
-    for p in (sched, runner, startup, gpu, throughput, latency, serve, soak):
+    structured = kinds.add_parser(
+        "structured", help="a JSON schema's cost per output token at batch 1 and 16, and its TTFT"
+    )
+    structured.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2)")
+    structured.add_argument("--output-len", type=int, default=128)
+    structured.add_argument("--rounds", type=int, default=3, help="timed runs of each kind, taking turns")
+    add_engine_args(structured)
+    for p in (sched, runner, startup, gpu, throughput, latency, serve, soak, structured):
         p.add_argument("--json", default=None, help="also write the results to this file")
     return bench
 

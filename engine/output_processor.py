@@ -33,6 +33,9 @@ class _RequestState:
         self.metrics = RequestMetrics(arrival_time)
         self.num_cached_tokens = 0
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+        # The core id of the sample that computes the prompt logprobs, until it first reports: the others'
+        # outputs are held till then, so that every sample's first output comes with the prompt's logprobs.
+        self.awaited: str | None = None
 
     def snapshot(self) -> RequestOutput:
         """The request as it stands; resets the deltas, which the snapshot carries."""
@@ -85,6 +88,8 @@ class OutputProcessor:
             sample = _Sample(i, self.tokenizer, req.prompt_token_ids, req.sampling_params)
             state.samples[req.request_id] = sample
             self.core_to_request[req.request_id] = request_id
+        if first.sampling_params.prompt_logprobs is not None and len(core_ids) > 1:
+            state.awaited = first.request_id
         self.requests[request_id] = state
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
@@ -97,7 +102,10 @@ class OutputProcessor:
             if rid is None:
                 continue  # aborted or already ended by a stop string
             state = self.requests[rid]
-            updated[rid] = state
+            if o.request_id == state.awaited:
+                state.awaited = None
+            if state.awaited is None:
+                updated[rid] = state
             m = state.metrics
             if o.scheduled_time is not None and m.scheduled_time is None:
                 m.scheduled_time = o.scheduled_time

@@ -63,3 +63,27 @@ def test_prompt_logprobs_match_transformers_chunked_and_past_a_prefix_hit(tiny_c
 def test_prompt_logprobs_out_of_range_is_refused():
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=21)
+
+
+def test_samples_wait_for_the_prompt_logprobs_their_first_output_carries(smollm2_dir):
+    """Only sample 0 computes them; a sample that reports first (one whose sample 0 was preempted) is held
+    until sample 0 does, so a stream's every choice opens with the prompt's logprobs."""
+    from transformers import AutoTokenizer
+
+    from engine.input_processor import InputProcessor
+    from engine.messages import EngineCoreOutput
+    from engine.output_processor import OutputProcessor
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    prepared = InputProcessor(tok, 64, [2], 49152).process(
+        "r", [5, 6, 7], SamplingParams(n=2, max_tokens=4, prompt_logprobs=0), 0.0
+    )
+    processor = OutputProcessor(tok)
+    processor.add_request(prepared)
+    assert processor.process_outputs([EngineCoreOutput("r#1", [9])]) == ([], [])
+    prompt_lps = [None, (-1.0, []), (-2.0, [])]
+    (out,), _ = processor.process_outputs([EngineCoreOutput("r#0", [8], prompt_logprobs=prompt_lps)])
+    assert out.prompt_logprobs == prompt_lps
+    assert [c.delta_token_ids for c in out.outputs] == [[8], [9]]  # the held token comes along
+    (out,), _ = processor.process_outputs([EngineCoreOutput("r#1", [10], finish_reason="length")])
+    assert [c.delta_token_ids for c in out.outputs] == [[], [10]]

@@ -23,7 +23,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     grammar: str | None = None
 
     def __post_init__(self) -> None:
-        given = [name for name in self.__struct_fields__ if getattr(self, name) not in (None, False)]
+        given = self._given()
         if len(given) != 1:
             raise ValueError(
                 "structured_outputs must set exactly one of json, json_object, regex, choice, grammar "
@@ -32,9 +32,12 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.choice is not None and not (self.choice and all(isinstance(c, str) for c in self.choice)):
             raise ValueError("structured_outputs.choice must be a non-empty list of strings")
 
+    def _given(self) -> list[str]:
+        return [name for name in self.__struct_fields__ if getattr(self, name) not in (None, False)]
+
     @property
     def kind(self) -> str:
-        return next(name for name in self.__struct_fields__ if getattr(self, name) not in (None, False))
+        return self._given()[0]
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):

@@ -100,11 +100,11 @@ class Grammar:
             return True
         complete = self.matcher.is_stopped()
         if not self.matcher.consume_token(token):
-            self._failed()
+            self.fail()
             return True
         return complete
 
-    def _failed(self) -> None:
+    def fail(self) -> None:
         self.error = one_line(self.matcher.get_error()) or "the grammar failed"
         logger.warning("structured output ended by a grammar error: %s", self.error)
 
@@ -120,7 +120,6 @@ class StructuredOutputManager:
         # threads would take the cores from the model's, for masks that take microseconds each.
         self.executor = llguidance.LLExecutor() if parallel_masks else None
         self.cache: OrderedDict[str, Future] = OrderedDict()  # grammar text -> its compile
-        self.pending: set[Future] = set()
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
 
@@ -134,10 +133,7 @@ class StructuredOutputManager:
             return Grammar(future)
         future = self.cache.get(text)
         if future is None:
-            future = self.pool.submit(self._compile, text, eos_token_id)
-            self.pending.add(future)
-            future.add_done_callback(self.pending.discard)
-            self.cache[text] = future
+            future = self.cache[text] = self.pool.submit(self._compile, text, eos_token_id)
             if len(self.cache) > CACHE_SIZE:
                 self.cache.popitem(last=False)
         else:
@@ -146,8 +142,9 @@ class StructuredOutputManager:
 
     def wait(self, timeout: float) -> None:
         """Block until a compile finishes or `timeout` passes (the core's idle wait while one runs)."""
-        if self.pending:
-            wait_futures(list(self.pending), timeout, return_when="FIRST_COMPLETED")
+        compiling = [f for f in self.cache.values() if not f.done()]
+        if compiling:
+            wait_futures(compiling, timeout, return_when="FIRST_COMPLETED")
 
     def bitmask(self, grammars: list[Grammar]) -> np.ndarray:
         """[len(grammars), words] int32: bit t of row i is set iff token t may come next for grammar i."""
@@ -161,7 +158,7 @@ class StructuredOutputManager:
                 llguidance.numpy.fill_next_token_bitmask(g.matcher, mask, i)
         for i, g in enumerate(grammars):
             if g.error is None and g.matcher.is_error():  # e.g. the parser's step limits: no mask to trust
-                g._failed()
+                g.fail()
             if g.error is not None:  # only EOS, and accept() ends the request
                 eos = self._tokenizer.eos_token
                 mask[i] = 0

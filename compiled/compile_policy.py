@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from compiled import guard_free
+from compiled import guard_free, quant
 from compiled.attention import AttentionMetadata, write_kv
 from compiled.input_batch import InputBatch
 from compiled.models.llama import Transformer, TransformerBlock
@@ -91,11 +91,14 @@ class CompilePolicy:
         if enforce_eager:
             return
         model.use_fused_kernels(CPU_ROW_BLOCKS if device.type == "cpu" else 1)
+        quantized = any(isinstance(m, quant.PackedWeight) for m in model.modules())
         # Guards stay on module attributes and weights: they tell two models of one process apart.
         for module in [*model.layers, model.output]:  # the LM head too: one more weight stream per step
             # A copy each: torch.compile takes guard_filter_fn out of the dict it is given.
-            options = dict(CPU_THREADS_FOLLOW_LOAD) if device.type == "cpu" else None
-            module.compile(dynamic=True, fullgraph=True, options=options)
+            options = dict(CPU_THREADS_FOLLOW_LOAD) if device.type == "cpu" else {}
+            if quantized:
+                options.update(quant.INDUCTOR_OPTIONS)
+            module.compile(dynamic=True, fullgraph=True, options=options or None)
         if device.type == "cuda":
             self.decode_forward = torch.compile(model.forward, **CUDA_DECODE)
             # Every (bucket, width) pair is a graph recorded on purpose: no warning past the eighth.

@@ -11,14 +11,26 @@ import logging
 import os
 import re
 import shutil
+import struct
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import AutoConfig
 
-from compiled.models.llama import CPU_HAS_FAST_BF16, ModelArgs, Transformer, rope_inv_freq
+from compiled.models.llama import CPU_HAS_FAST_BF16, Linear, ModelArgs, Transformer, rope_inv_freq
+from compiled.quant import (
+    GGUF_BLOCK,
+    PackedWeight,
+    QuantEmbedding,
+    Quantized,
+    QuantLinear,
+    from_gguf,
+    quantizable,
+    quantize,
+)
 
 logger = logging.getLogger("kiln.loader")
 
@@ -96,6 +108,16 @@ _FUSED = {  # ours <- the HF parts, concatenated in this order along dim 0
 }
 
 
+def _cat(name: str, pieces: list) -> torch.Tensor | Quantized:
+    """Parts of a fused weight stacked; quantized parts of different formats are de-quantized."""
+    if all(isinstance(p, torch.Tensor) for p in pieces):
+        return torch.cat(pieces, dim=0)
+    if all(isinstance(p, Quantized) for p in pieces) and (fused := Quantized.cat(pieces)) is not None:
+        return fused
+    logger.warning("%s: its parts are stored in different formats; computing it de-quantized", name)
+    return torch.cat([p.dequantize() if isinstance(p, Quantized) else p.float() for p in pieces], dim=0)
+
+
 def convert_state_dict(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Map an HF Llama-family state dict onto `Transformer`'s names. Unknown names are kept as is,
     so that `load_weights` reports them as unexpected."""
@@ -123,7 +145,7 @@ def convert_state_dict(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         missing = [p for p in order if p not in pieces]
         if missing:
             raise ValueError(f"checkpoint has an incomplete fused weight {key}: missing {missing}")
-        out[key] = torch.cat([pieces[p] for p in order], dim=0)
+        out[key] = _cat(key, [pieces[p] for p in order])
     return out
 
 
@@ -143,12 +165,178 @@ def read_safetensors(model_dir: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> Transformer:
-    """Build the model from `model_dir`'s config and weights; a missing or unexpected tensor is an error."""
+_GGUF_NAMES = [  # GGUF tensor name -> HF's
+    (r"^token_embd\.", "model.embed_tokens."),
+    (r"^output_norm\.", "model.norm."),
+    (r"^output\.", "lm_head."),
+    (r"^blk\.(\d+)\.attn_norm\.", r"model.layers.\1.input_layernorm."),
+    (r"^blk\.(\d+)\.ffn_norm\.", r"model.layers.\1.post_attention_layernorm."),
+    (r"^blk\.(\d+)\.attn_(q|k|v)\.", r"model.layers.\1.self_attn.\2_proj."),
+    (r"^blk\.(\d+)\.attn_output\.", r"model.layers.\1.self_attn.o_proj."),
+    (r"^blk\.(\d+)\.attn_(q|k)_norm\.", r"model.layers.\1.self_attn.\2_norm."),
+    (r"^blk\.(\d+)\.ffn_(gate|up|down)\.", r"model.layers.\1.mlp.\2_proj."),
+]
+
+
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 30: "BF16"}
+
+
+def gguf_tensors(path: str) -> tuple[str, list[tuple[str, str, int, list[int], np.ndarray]]]:
+    """(architecture, [(name, type, type id, ggml shape, raw bytes)]) of a GGUF file, reading the
+    header directly: the gguf package decodes every metadata string, seconds for a 49k-token vocabulary."""
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    buf, pos = memoryview(data), 0
+
+    def read(fmt: str):
+        nonlocal pos
+        (value,) = struct.unpack_from("<" + fmt, buf, pos)
+        pos += struct.calcsize(fmt)
+        return value
+
+    def string() -> str:
+        nonlocal pos
+        n = read("Q")
+        pos += n
+        return bytes(buf[pos - n : pos]).decode()
+
+    def value(kind: int):
+        nonlocal pos
+        if kind == 8:
+            return string()
+        if kind == 9:
+            item, n = read("I"), read("Q")
+            if item in (8, 9):
+                return [value(item) for _ in range(n)]
+            pos += n * struct.calcsize(_GGUF_SCALARS[item])  # numeric arrays (token scores) unread
+            return None
+        return read(_GGUF_SCALARS[kind])
+
+    if bytes(buf[:4]) != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file")
+    pos = 4
+    version, n_tensors, n_kv = read("I"), read("Q"), read("Q")
+    if version < 2:
+        raise ValueError(f"{path}: GGUF version {version} is not supported")
+    meta = {}
+    for _ in range(n_kv):
+        key = string()
+        meta[key] = value(read("I"))
+    infos = []
+    for _ in range(n_tensors):
+        name, dims = string(), read("I")
+        shape = [read("Q") for _ in range(dims)]
+        infos.append((name, shape, read("I"), read("Q")))
+    align = meta.get("general.alignment", 32)
+    start = -(-pos // align) * align
+    ends = sorted([off for *_, off in infos] + [len(data) - start])
+    tensors = []
+    for name, shape, kind, off in infos:
+        end = ends[ends.index(off) + 1]
+        tensors.append(
+            (name, _GGUF_TYPES.get(kind, f"type {kind}"), kind, shape, data[start + off : start + end])
+        )
+    return str(meta.get("general.architecture", "")), tensors
+
+
+def read_gguf(path: str, args: ModelArgs) -> dict[str, torch.Tensor | Quantized]:
+    """A GGUF file's tensors under HF names: Q4_0, Q4_1 and Q8_0 blocks kept as they are, other block
+    types de-quantized (logged), float tensors as float32."""
+    arch, tensors = gguf_tensors(path)
+    state: dict[str, torch.Tensor | Quantized] = {}
+    fallback: dict[str, list[str]] = {}
+    for gguf_name, kind, kind_id, shape, raw in tensors:
+        name = gguf_name
+        for pattern, repl in _GGUF_NAMES:
+            name, n = re.subn(pattern, repl, name)
+            if n:
+                break
+        if gguf_name == "rope_freqs.weight":  # Llama 3's RoPE scaling, which the config also gives
+            continue
+        cols, rows = int(shape[0]), int(np.prod(shape[1:]))
+        if kind in GGUF_BLOCK and len(shape) == 2:
+            value: torch.Tensor | Quantized = from_gguf(
+                kind, raw[: rows * cols // 32 * GGUF_BLOCK[kind]], rows, cols
+            )
+        else:
+            value = torch.from_numpy(_dequantize(gguf_name, kind, kind_id, raw, rows * cols))
+            value = value.view(rows, cols) if len(shape) > 1 else value
+            if kind not in ("F32", "F16", "BF16"):
+                fallback.setdefault(kind, []).append(gguf_name)
+        if arch == "llama" and re.search(r"self_attn\.(q|k)_proj\.", name):
+            # llama.cpp stores Llama's q/k rows interleaved for its RoPE; HF's order is rotate-half.
+            heads = args.n_heads if ".q_proj." in name else args.n_kv_heads
+            perm = torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+            value = value.rows(perm) if isinstance(value, Quantized) else value[perm]
+        state[name] = value
+    for kind, names in fallback.items():
+        logger.warning("%d %s tensors (%s, ...) are computed de-quantized", len(names), kind, names[0])
+    return state
+
+
+def _dequantize(name: str, kind: str, kind_id: int, raw: np.ndarray, count: int) -> np.ndarray:
+    """float32 values of a tensor kiln does not compute on in its stored form."""
+    if kind == "F32":
+        return raw[: count * 4].view(np.float32).copy()
+    if kind == "F16":
+        return raw[: count * 2].view(np.float16).astype(np.float32)
+    import gguf
+
+    try:
+        qtype = gguf.GGMLQuantizationType(kind_id)
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        return gguf.quants.dequantize(raw[: count // block * size], qtype).astype(np.float32).reshape(-1)
+    except (ValueError, KeyError, NotImplementedError) as e:
+        raise ValueError(f"GGUF tensor {name} has block type {kind}, which kiln cannot read ({e})") from None
+
+
+def _place(model: Transformer, name: str, value: torch.Tensor | Quantized, dtype, device) -> None:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if not isinstance(value, Quantized):
+        setattr(module, attr, nn.Parameter(value.to(device=device, dtype=dtype), requires_grad=False))
+        return
+    packed = PackedWeight(value).to(device)
+    parent_name, _, child = module_name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    if isinstance(module, nn.Embedding):
+        setattr(parent, child, QuantEmbedding(packed, dtype))
+        if model.args.tie_word_embeddings:
+            model.output = QuantLinear(packed, None)
+    else:
+        bias = module.bias.detach() if module.bias is not None and not module.bias.is_meta else None
+        setattr(parent, child, QuantLinear(packed, bias))
+
+
+def quantize_model(model: Transformer, method: str) -> None:
+    """Weight-only int8 or int4 of every linear. The input embedding keeps its values: a step reads
+    only its own tokens' rows, and rounding them cost more perplexity than all the layers together."""
+    for name, module in list(model.named_modules()):
+        if type(module) is Linear and quantizable(method, module.weight):
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            packed = PackedWeight(quantize(module.weight, method)).to(module.weight.device)
+            setattr(parent, child, QuantLinear(packed, None if module.bias is None else module.bias.detach()))
+
+
+def load_model(
+    model_dir: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str = "none",
+    gguf_path: str | None = None,
+) -> Transformer:
+    """Build the model from `model_dir`'s config and weights (a GGUF file's own blocks with
+    quantization "gguf"); a missing or unexpected tensor is an error."""
     args = ModelArgs.from_hf_config(load_config(model_dir))
     with torch.device("meta"):
         model = Transformer(args)
-    state = convert_state_dict(read_safetensors(model_dir))
+    if quantization == "gguf":
+        if gguf_path is None:
+            raise ValueError("quantization gguf needs a .gguf model file")
+        state = convert_state_dict(read_gguf(gguf_path, args))
+    else:
+        state = convert_state_dict(read_safetensors(model_dir))
     if args.tie_word_embeddings:
         state.pop("output.weight", None)
     expected = {n for n, _ in model.named_parameters()}
@@ -160,14 +348,18 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> Tran
         )
     for name, tensor in state.items():
         module_name, _, attr = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        expected_shape = getattr(module, attr).shape
-        if tuple(tensor.shape) != tuple(expected_shape):
+        expected_shape = getattr(model.get_submodule(module_name), attr).shape
+        shape = tensor.q.shape if isinstance(tensor, Quantized) else tensor.shape
+        if tuple(shape) != tuple(expected_shape):
             raise ValueError(
-                f"weight {name} has shape {tuple(tensor.shape)}, the config implies {tuple(expected_shape)}"
+                f"weight {name} has shape {tuple(shape)}, the config implies {tuple(expected_shape)}"
             )
-        setattr(module, attr, nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False))
-    if args.tie_word_embeddings:
+    # Weights first, biases after: a linear replaced by its quantized form keeps its bias.
+    for name in sorted(state, key=lambda n: n.endswith(".bias")):
+        _place(model, name, state[name], dtype, device)
+    if args.tie_word_embeddings and isinstance(model.tok_embeddings, nn.Embedding):
         model.output.weight = model.tok_embeddings.weight
+    if quantization in ("int8", "int4"):
+        quantize_model(model, quantization)
     model.inv_freq = rope_inv_freq(args).to(device)  # built on the meta device above
     return model.eval()

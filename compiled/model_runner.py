@@ -17,6 +17,7 @@ from compiled import compile_policy
 from compiled.compile_policy import WARMUP_CONTEXT, CompilePolicy
 from compiled.input_batch import CachedRequestState, InputBatch, StepBatch, cdiv, sampling_inputs
 from compiled.loader import load_model
+from compiled.quant import describe
 from compiled.sampler import sample
 from engine.config import EngineConfig
 from engine.params import SamplingParams
@@ -27,20 +28,24 @@ PROMPT_LOGITS_ROWS = 256  # rows of prompt logits computed at once: 256 x vocab 
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
-        """`config.model` is an HF directory; `config`'s budgets are resolved for `device`."""
+    def __init__(
+        self, config: EngineConfig, device: torch.device, dtype: torch.dtype, gguf_path: str | None = None
+    ) -> None:
+        """`config.model` is an HF directory (`gguf_path` the file it came from, if any); `config`'s
+        budgets are resolved for `device`."""
         self.config, self.device, self.dtype = config, device, dtype
         start = time.perf_counter()
-        self.model = load_model(config.model, dtype, device)
-        params = {id(p): p for p in self.model.parameters()}.values()
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in params)
+        self.model = load_model(config.model, dtype, device, config.quantization, gguf_path)
+        tensors = {id(p): p for p in self.model.parameters()}.values()
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
         self.model.pack_output()
         logger.info(
-            "weights: %.2f GiB %s loaded in %.1f s from %s",
+            "weights: %.2f GiB %s%s loaded in %.1f s from %s",
             self.weight_bytes / 2**30,
             str(dtype).removeprefix("torch."),
+            f" with {describe(list(self.model.modules()))} weights" if config.quantization != "none" else "",
             time.perf_counter() - start,
-            config.model,
+            gguf_path if config.quantization == "gguf" else config.model,
         )
         args = self.model.args
         self.vocab_size = args.vocab_size

@@ -15,6 +15,7 @@ import torch._inductor.compile_fx  # what torch.compile imports on first use: lo
 from compiled.cpu_threads import CpuThreads
 from compiled.loader import convert_gguf, resolve_dtype
 from compiled.model_runner import ModelRunner
+from compiled.quant import keep_freed_memory
 from engine.config import EngineConfig
 from engine.step import ModelRunnerOutput, SchedulerOutput
 
@@ -37,8 +38,11 @@ class Worker:
             self.threads = CpuThreads()
         if gguf_file is not None and not os.path.exists(os.path.join(model_dir, "model.safetensors")):
             convert_gguf(gguf_file, model_dir)
+        if device.type == "cpu" and config.quantization != "none":
+            keep_freed_memory()
+        gguf_path = config.model if config.model and config.model.endswith(".gguf") else None
         self.config = msgspec.structs.replace(config.resolved(device.type == "cuda"), model=model_dir)
-        self.runner = ModelRunner(self.config, device, resolve_dtype(config.dtype, device))
+        self.runner = ModelRunner(self.config, device, resolve_dtype(config.dtype, device), gguf_path)
 
     @property
     def max_model_len(self) -> int:

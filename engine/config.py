@@ -28,6 +28,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         ),
     ] = "auto"
     device: Annotated[str, _help("auto, cpu or cuda")] = "auto"
+    quantization: Annotated[
+        str,
+        _help(
+            "none (weights in dtype), gguf (compute on a GGUF file's own Q4_0/Q4_1/Q8_0 blocks), "
+            "int8 (weight-only, groups of 64) or int4 (weight-only, groups of 32)"
+        ),
+    ] = "none"
     max_model_len: Annotated[int | None, _help("context length (default: the model's)")] = None
     block_size: Annotated[int, _help("tokens per KV-cache block")] = 16
     max_num_seqs: Annotated[int, _help("sequences one step may compute")] = 64
@@ -70,6 +77,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be at least 2"),
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]"),
             (0.0 < self.cpu_kv_cache_fraction < 1.0, "cpu_kv_cache_fraction", "must be in (0, 1)"),
+            (
+                self.quantization in ("none", "gguf", "int8", "int4"),
+                "quantization",
+                "must be none, gguf, int8 or int4",
+            ),
             (
                 self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
                 "device",

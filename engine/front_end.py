@@ -7,10 +7,19 @@ import time
 import uuid
 from typing import Any
 
+import msgspec
+
 from engine.config import EngineConfig
 from engine.core_client import CoreClient
 from engine.input_processor import InputProcessor, PreparedRequest, Prompt
-from engine.model_files import DEFAULT_MODEL_NAME, eos_token_ids, load_tokenizer, locate_model
+from engine.model_files import (
+    DEFAULT_MODEL_NAME,
+    check_quantization,
+    default_model_path,
+    eos_token_ids,
+    load_tokenizer,
+    locate_model,
+)
 from engine.output_processor import OutputProcessor
 from engine.params import SamplingParams
 
@@ -22,12 +31,15 @@ class FrontEnd:
 
     def __init__(self, model: str | None, client_cls: type[CoreClient], engine_args: dict[str, Any]) -> None:
         self.config = EngineConfig(model=model, **engine_args)
+        check_quantization(model, self.config.quantization)
         # The core process starts first: its imports overlap ours and the model's resolution, and its
         # weight load and warm-up overlap the tokenizer's load.
         self.client = client_cls()
         try:
             self.model_dir, gguf_file = locate_model(model)
-            self.client.start(self.config, self.model_dir, gguf_file)
+            # The core reads a GGUF file's blocks itself under quantization gguf: it gets the file's path.
+            model_file = msgspec.structs.replace(self.config, model=model or default_model_path())
+            self.client.start(model_file, self.model_dir, gguf_file)
             self.model_name = self.config.served_model_name or (model or DEFAULT_MODEL_NAME)
             # A GGUF's first start: its tokenizer is in the directory the core is converting it into.
             self.tokenizer = load_tokenizer(self.model_dir) if gguf_file is None else None

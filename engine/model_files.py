@@ -50,6 +50,12 @@ def locate_model(model: str | None) -> tuple[str, str | None]:
     return str(target), None if (target / "model.safetensors").exists() else model
 
 
+def check_quantization(model: str | None, quantization: str) -> None:
+    """A quantization the model's files cannot give is an error before anything starts."""
+    if quantization == "gguf" and not (model or default_model_path()).endswith(".gguf"):
+        raise ValueError(f"quantization gguf needs a .gguf model file, not {model!r}")
+
+
 def load_tokenizer(model_dir: str):
     """The tokenizer through the class its tokenizer_config.json names: AutoTokenizer would load the model's
     config as well, and transformers' config code imports torch, which the front end never needs."""

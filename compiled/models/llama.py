@@ -282,9 +282,10 @@ class Transformer(nn.Module):
         largest matmul of a decode step (BENCHMARKS.md). The copy is float32: on CPUs without bfloat16
         arithmetic the matmuls run in float32 anyway, and it spares converting the weight every step.
         One row keeps the compiled matrix-vector reduction, faster still."""
-        w = self.output.weight
+        w = getattr(self.output, "weight", None)  # a quantized head has none: it stays packed
         if (
-            w.device.type == "cpu"
+            w is not None
+            and w.device.type == "cpu"
             and torch.backends.mkldnn.is_available()
             and cpu_matmul_dtype(w.dtype) == torch.float32
         ):

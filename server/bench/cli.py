@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
             args.prefill_len,
             compare=not args.no_compare,
             num_threads=args.num_threads,
+            quantization=args.quantization,
         )
         print(bench.format_report(result))
     elif args.bench == "gpu-check":
@@ -65,7 +66,14 @@ def run(args: argparse.Namespace) -> int:
 
         lens = tuple(int(n) for n in args.input_lens.split(","))
         result = bench_latency.run(
-            args.model, engine_args(args), lens, args.output_len, args.iters, args.seed, bool(args.compare)
+            args.model,
+            engine_args(args),
+            lens,
+            args.output_len,
+            args.iters,
+            args.seed,
+            args.compare,
+            args.llama_cpp_python,
         )
         print(bench_latency.format_report(result))
     elif args.bench == "serve":
@@ -131,6 +139,7 @@ def parser() -> argparse.ArgumentParser:
     runner.add_argument("--prefill-len", type=int, default=512)
     runner.add_argument("--num-threads", type=int, default=None)
     runner.add_argument("--no-compare", action="store_true", help="skip transformers")
+    runner.add_argument("--quantization", default="none", help="kiln's weights: none, gguf, int8 or int4")
     startup = kinds.add_parser("startup", help="process start to first token, cold and warm compile cache")
     startup.add_argument("--model", default=None)
     startup.add_argument("--dtype", default="auto")
@@ -165,13 +174,13 @@ def parser() -> argparse.ArgumentParser:
             "--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2)"
         )
         p.add_argument("--output-len", type=int, default=128)
-        p.add_argument(
-            "--compare",
-            choices=["transformers"],
-            default=None,
-            help="also run transformers on the same prompts, weights, dtype and device",
-        )
         add_engine_args(p)
+    throughput.add_argument(
+        "--compare",
+        choices=["transformers"],
+        default=None,
+        help="also run transformers on the same prompts, weights, dtype and device",
+    )
     throughput.add_argument(
         "--no-continuous-batching-baseline",
         dest="hf_continuous",
@@ -194,6 +203,18 @@ def parser() -> argparse.ArgumentParser:
         "--input-lens", default="128,512,2048", help="prompt lengths, capped by max_model_len"
     )
     latency.add_argument("--iters", type=int, default=3, help="timed requests per length, after one warm-up")
+    latency.add_argument(
+        "--compare",
+        choices=["transformers", "llama.cpp"],
+        default=None,
+        help="also run transformers (same weights), or llama.cpp on the same GGUF file",
+    )
+    latency.add_argument(
+        "--llama-cpp-python",
+        default=None,
+        help="the llama.cpp peer's Python (default: $KILN_LLAMA_CPP_PYTHON, else the venv "
+        "../shared/peers/setup-llama-cpp.sh makes)",
+    )
     serve.add_argument("--base-url", default="http://127.0.0.1:8000")
     serve.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
     serve.add_argument("--endpoint", choices=["completions", "chat"], default="completions")

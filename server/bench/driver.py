@@ -10,7 +10,7 @@ from compiled.loader import convert_gguf
 from compiled.model_runner import ModelRunner
 from compiled.worker import Worker
 from engine.config import EngineConfig
-from engine.model_files import locate_model
+from engine.model_files import default_model_path, locate_model
 from engine.params import SamplingParams
 from engine.step import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -28,7 +28,7 @@ def model_dir(model: str | None) -> str:
 def build_runner(model: str | None, **engine_args) -> ModelRunner:
     """A model runner as the engine core builds it (threads, device, resolved budgets), without a KV cache."""
     path, gguf_file = locate_model(model)
-    return Worker(EngineConfig(model=path, **engine_args), path, gguf_file).runner
+    return Worker(EngineConfig(model=model or default_model_path(), **engine_args), path, gguf_file).runner
 
 
 class RunnerDriver:

@@ -14,14 +14,19 @@ real prefill.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import os
 import statistics
 import time
 from pathlib import Path
 
+from engine.model_files import default_model_path
 from engine.params import SamplingParams
 from server.bench.prompts import token_prompts
 from server.bench.throughput import load_transformers, use_engine_threads
+
+LLAMA_CPP_PYTHON = str(Path.home() / ".cache" / "kiln-peers" / "llamacpp" / "bin" / "python")
 
 
 def _summary(runs: list[tuple[float, float]]) -> dict:
@@ -98,13 +103,43 @@ def transformers_request(model, prompt: list[int], output_len: int, pad_id: int)
     return t[0] - start, (len(t) - 1) / (t[-1] - t[0])
 
 
-async def bench(llm, hf, prompts: dict[int, list[list[int]]], output_len: int, threads: int | None) -> dict:
-    """Each prompt through kiln and, with `hf`, through transformers, the engines taking turns."""
+class LlamaCpp:
+    """llama.cpp in its own process and venv (server/bench/llamacpp_peer.py), on the same GGUF file."""
+
+    def __init__(self, python: str, gguf_file: str, threads: int, n_ctx: int) -> None:
+        import subprocess
+
+        script = str(Path(__file__).with_name("llamacpp_peer.py"))
+        self.proc = subprocess.Popen(
+            [python, script, gguf_file, str(threads), str(n_ctx)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        ready = self.proc.stdout.readline()
+        if not ready:
+            raise RuntimeError(f"llama.cpp peer did not start ({python}); see ../shared/peers")
+        self.version = json.loads(ready)["ready"]
+
+    def request(self, prompt: list[int], output_len: int) -> tuple[float, float]:
+        self.proc.stdin.write(json.dumps({"prompt": prompt, "output_len": output_len}) + "\n")
+        self.proc.stdin.flush()
+        answer = json.loads(self.proc.stdout.readline())
+        return answer["ttft_s"], answer["decode_tok_s"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+async def bench(llm, peer, prompts: dict[int, list[list[int]]], output_len: int, threads: int | None) -> dict:
+    """Each prompt through kiln and through the peer (transformers' model, or LlamaCpp), taking turns."""
     import torch
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     pad_id = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
-    engines = ["kiln"] + (["transformers"] if hf is not None else [])
+    name = "llama.cpp" if isinstance(peer, LlamaCpp) else "transformers"
+    engines = ["kiln"] + ([name] if peer is not None else [])
     result: dict[str, dict] = {name: {} for name in engines}
     for n, batch in prompts.items():
         runs: dict[str, list] = {name: [] for name in engines}
@@ -112,9 +147,11 @@ async def bench(llm, hf, prompts: dict[int, list[list[int]]], output_len: int, t
             for name in engines if i % 2 == 0 else engines[::-1]:
                 if name == "kiln":
                     run = await kiln_request(llm, prompt, params)
+                elif name == "llama.cpp":  # its own process; the engine core waits idle
+                    run = peer.request(prompt, output_len)
                 else:  # on the engine's threads, the front end's single one while kiln runs
                     use_engine_threads(llm.client.ready.device, threads)
-                    run = transformers_request(hf, prompt, output_len, pad_id)
+                    run = transformers_request(peer, prompt, output_len, pad_id)
                     torch.set_num_threads(1)
                 if i:  # the first request of each length is the warm-up
                     runs[name].append(run)
@@ -130,9 +167,11 @@ def run(
     output_len: int = 128,
     iters: int = 3,
     seed: int = 0,
-    compare: bool = False,
+    compare: str | None = None,
+    llama_cpp_python: str | None = None,
 ) -> dict:
-    """kiln TTFT and decode rate per prompt length, the roofline, and (with `compare`) transformers."""
+    """kiln TTFT and decode rate per prompt length, the roofline, and (with `compare`) transformers
+    or llama.cpp (`llama_cpp_python`: the peer venv's interpreter; llama.cpp needs a .gguf model)."""
     import torch
 
     from compiled.worker import resolve_device
@@ -156,7 +195,15 @@ def run(
         lens = sorted({min(n, llm.max_model_len - output_len) for n in input_lens})
         prompts = {n: token_prompts(llm.tokenizer, iters + 1, n, n, seed + n) for n in lens}
         ready, model_dir, threads = llm.client.ready, llm.model_dir, llm.config.num_threads
-        hf = load_transformers(model_dir, ready.dtype, ready.device, threads) if compare else None
+        peer = None
+        if compare == "transformers":
+            peer = load_transformers(model_dir, ready.dtype, ready.device, threads)
+        elif compare == "llama.cpp":
+            gguf_file = model or default_model_path()
+            if not gguf_file.endswith(".gguf"):
+                raise ValueError("--compare llama.cpp needs a .gguf model")
+            python = llama_cpp_python or os.environ.get("KILN_LLAMA_CPP_PYTHON", LLAMA_CPP_PYTHON)
+            peer = LlamaCpp(python, gguf_file, threads or torch.get_num_threads(), llm.max_model_len)
         torch.set_num_threads(1)  # the engine core owns the cores while kiln runs
         out: dict = {
             "config": {
@@ -167,11 +214,15 @@ def run(
                 "output_len": output_len,
                 "iters": iters,
                 "seed": seed,
+                "quantization": llm.config.quantization,
+                **({"llama.cpp": peer.version} if isinstance(peer, LlamaCpp) else {}),
             },
-            **asyncio.run(bench(llm, hf, prompts, output_len, threads)),
+            **asyncio.run(bench(llm, peer, prompts, output_len, threads)),
         }
     finally:
         llm.shutdown()
+        if isinstance(peer, LlamaCpp):
+            peer.close()
     use_engine_threads(ready.device, threads)
     out["weight_bytes"] = weight_bytes(model_dir, ready.dtype)
     after = copy_bandwidth(device=ready.device)
@@ -189,13 +240,14 @@ def format_report(r: dict) -> str:
         f"copy bandwidth {r['copy_bandwidth_GBps']:.1f} GB/s (mean of "
         f"{' and '.join(f'{x:.1f}' for x in r['copy_bandwidth_GBps_before_after'])}"
         f" just before and after the requests), weights {r['weight_bytes'] / 2**30:.2f} GiB "
+        f"{'de-quantized ' if c.get('quantization', 'none') != 'none' else ''}"
         f"-> decode roofline {roof:.1f} tok/s",
         "| prompt tokens | engine | TTFT ms mean | TTFT ms median | decode tok/s mean | decode tok/s median "
         "| % of roofline |",
         "|---|---|---|---|---|---|---|",
     ]
     for n in c["input_lens"]:
-        for engine in ("kiln", "transformers"):
+        for engine in ("kiln", "transformers", "llama.cpp"):
             if engine in r:
                 d = r[engine][n]
                 rows.append(
@@ -203,10 +255,11 @@ def format_report(r: dict) -> str:
                     f"| {d['decode_tok_s_mean']:.1f} | {d['decode_tok_s_median']:.1f} "
                     f"| {100 * d['decode_tok_s_median'] / roof:.0f}% |"
                 )
-        if "transformers" in r:
-            k, t = r["kiln"][n], r["transformers"][n]
-            rows.append(
-                f"| {n} | kiln speedup | | {t['ttft_ms_median'] / k['ttft_ms_median']:.2f}x | "
-                f"| {k['decode_tok_s_median'] / t['decode_tok_s_median']:.2f}x | |"
-            )
+        for peer in ("transformers", "llama.cpp"):
+            if peer in r:
+                k, t = r["kiln"][n], r[peer][n]
+                rows.append(
+                    f"| {n} | kiln / {peer} | | {t['ttft_ms_median'] / k['ttft_ms_median']:.2f}x faster | "
+                    f"| {k['decode_tok_s_median'] / t['decode_tok_s_median']:.2f}x | |"
+                )
     return "\n".join(rows)

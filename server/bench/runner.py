@@ -201,13 +201,16 @@ def run(
     prefill_len: int = 512,
     compare: bool = True,
     num_threads: int | None = None,
+    quantization: str = "none",
 ) -> dict:
-    """Compiled vs eager kiln vs transformers, plus the memory roofline, measured in one run."""
+    """Compiled vs eager kiln vs transformers, plus the memory roofline, measured in one run.
+    Transformers runs the de-quantized weights whatever kiln's `quantization`."""
     from compiled.loader import resolve_dtype
 
     path = model_dir(model)
     common = dict(
-        model=path,
+        model=model if quantization == "gguf" else path,  # gguf reads the file itself
+        quantization=quantization,
         dtype=dtype,
         max_num_seqs=max(batches),
         num_threads=num_threads,
@@ -217,6 +220,7 @@ def run(
         "config": {
             "model": path,
             "dtype": dtype,
+            "quantization": quantization,
             "batches": list(batches),
             "context": context,
             "steps": steps,

@@ -1,0 +1,259 @@
+"""Weight-only quantized linears: a GGUF's own Q4_0 / Q4_1 / Q8_0 blocks, or int8 / int4 made at load.
+
+Every format is one form, `w = scale * q + min` with an unsigned field `q` of 4 or 8 bits and one
+scale and min per group of a row (Q4_0: min = -8 scale; Q8_0 and int8: min = -128 scale), so one
+kernel serves them all and the de-quantized values are exactly the format's own.
+
+Packed layout (`PackedWeight`): rows in tiles of `TILE`, the tile's rows side by side innermost, so
+a one-row product is a reduction Inductor vectorises across the tile's rows with whole-vector loads;
+the fields of a row lie in int32 words in order (field `k` of a row: word k // per_word, bits
+(k % per_word) * bits). Scales and mins are float32 in the same tiling: half-precision ones ran
+slower. Several rows (prefill, decode batches) de-quantize the weight and take the float path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from compiled.models.llama import Linear, cpu_matmul_dtype
+
+QUANTIZATIONS = ("none", "gguf", "int8", "int4")
+TILE = 8  # rows per tile: eight float32 lanes, one AVX2 vector
+INT4_GROUP = 32
+INT8_GROUP = 64  # one scale per output channel cost 2.7 % perplexity on SmolLM2, groups of 64 none
+# Inductor would store the sum over a word's fields to memory and read it back (it realises a node
+# that reads many inputs); the fused reduction reads each weight word once.
+INDUCTOR_OPTIONS = {"realize_acc_reads_threshold": 64, "realize_opcount_threshold": 1000}
+
+
+@dataclass
+class Quantized:
+    """A weight as unsigned fields [N, K] (uint8) with a scale and min per group of `group` columns."""
+
+    q: Tensor
+    scale: Tensor  # [N, K / group] float32
+    min: Tensor
+    bits: int
+    kind: str  # what it came from, for the log: Q4_1, Q8_0, int8, ...
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.scale.shape[1]
+
+    def dequantize(self) -> Tensor:
+        g = self.group
+        return self.q.float() * self.scale.repeat_interleave(g, 1) + self.min.repeat_interleave(g, 1)
+
+    def rows(self, index: Tensor) -> Quantized:
+        return Quantized(self.q[index], self.scale[index], self.min[index], self.bits, self.kind)
+
+    @staticmethod
+    def cat(parts: list[Quantized]) -> Quantized | None:
+        """Rows of several weights stacked; None when their formats differ."""
+        first = parts[0]
+        if any(p.bits != first.bits or p.group != first.group for p in parts):
+            return None
+        return Quantized(
+            torch.cat([p.q for p in parts]),
+            torch.cat([p.scale for p in parts]),
+            torch.cat([p.min for p in parts]),
+            first.bits,
+            first.kind,
+        )
+
+
+# ---- from GGUF blocks ----------------------------------------------------------------------------
+
+GGUF_BLOCK = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # bytes per block of 32 weights
+
+
+def from_gguf(kind: str, data: np.ndarray, rows: int, cols: int) -> Quantized:
+    """A GGUF tensor's blocks ([rows, bytes per row] uint8) as fields, scales and mins, exactly."""
+    blocks = np.ascontiguousarray(data).reshape(rows, cols // 32, GGUF_BLOCK[kind])
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    if kind == "Q8_0":
+        q = torch.from_numpy((blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8))
+        return Quantized(q.reshape(rows, cols), d, -128 * d, 8, kind)
+    start = 4 if kind == "Q4_1" else 2
+    packed = torch.from_numpy(blocks[..., start:].copy())  # byte j: element j (low), j + 16 (high)
+    q = torch.cat([packed & 15, packed >> 4], dim=-1).reshape(rows, cols)
+    if kind == "Q4_1":
+        m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+    else:
+        m = -8 * d
+    return Quantized(q, d, m, 4, kind)
+
+
+# ---- from float weights ----------------------------------------------------------------------------
+
+
+def quantize(w: Tensor, method: str) -> Quantized:
+    """Round to nearest between each group's min and max (asymmetric, as the packed form has a min
+    anyway): int8 in groups of INT8_GROUP columns, int4 in groups of INT4_GROUP."""
+    w = w.detach().float()
+    n, k = w.shape
+    bits, group = (8, INT8_GROUP) if method == "int8" else (4, INT4_GROUP)
+    group = group if k % group == 0 else k
+    top = (1 << bits) - 1
+    g = w.view(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / top).clamp_min(1e-12)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, top).to(torch.uint8)
+    return Quantized(q.view(n, k), scale, lo, bits, method)
+
+
+def quantizable(method: str, w: Tensor) -> bool:
+    return w.dim() == 2 and w.shape[0] % TILE == 0 and (method == "int8" or w.shape[1] % INT4_GROUP == 0)
+
+
+# ---- packed for compute ----------------------------------------------------------------------------
+
+
+class PackedWeight(nn.Module):
+    """`Quantized` in the tiled layout; shared by a tied embedding and LM head."""
+
+    def __init__(self, w: Quantized) -> None:
+        super().__init__()
+        n, k = w.q.shape
+        if n % TILE or (k * w.bits) % 32 or w.group % (32 // w.bits):
+            raise ValueError(f"cannot pack a {n}x{k} {w.kind} weight (groups of {w.group})")
+        self.bits, self.group, self.kind = w.bits, w.group, w.kind
+        self.out_features, self.in_features = n, k
+        per_word = 32 // w.bits
+        fields = w.q.to(torch.int32).view(n, k // per_word, per_word)
+        words = fields[..., 0].clone()
+        for i in range(1, per_word):
+            words |= fields[..., i] << (w.bits * i)  # the top field wraps into the sign bit, as meant
+        # Parameters, not buffers: Dynamo keeps parameters' shapes static in the dynamic layer graphs,
+        # so the kernels are specialised to each weight's sizes. The words are stored as float32 bit
+        # patterns and viewed as int32 inside the kernels: Inductor's CPU loads of int32 vectors go
+        # through a copy, float ones do not (a one-row product ran 2-3x faster).
+        self.words = nn.Parameter(_tile(words).view(torch.float32), requires_grad=False)
+        self.scale = nn.Parameter(_tile(w.scale.float()), requires_grad=False)
+        self.min = nn.Parameter(_tile(w.min.float()), requires_grad=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.words, self.scale, self.min))
+
+    def kn(self) -> Tensor:
+        """De-quantized and transposed, [K, N] float32: written that way, Inductor's kernel reads and
+        writes whole tile rows, and `x @ kn()` is the plain matmul BLAS runs fastest."""
+        tiles, words, lanes = self.words.shape
+        per_word, mask = 32 // self.bits, (1 << self.bits) - 1
+        n = tiles * lanes
+
+        def spread(t: Tensor, rep: int) -> Tensor:  # [T, C, TILE] -> [C * rep, N]: each row rep times
+            c = t.shape[1]
+            return t.permute(1, 0, 2)[:, None].expand(c, rep, tiles, lanes).reshape(c * rep, n)
+
+        shifts = (torch.arange(per_word, device=self.words.device, dtype=torch.int32) * self.bits).repeat(
+            words
+        )
+        fields = ((spread(self.words.view(torch.int32), per_word) >> shifts[:, None]) & mask).float()
+        return fields * spread(self.scale, self.group) + spread(self.min, self.group)
+
+    def rows(self, index: Tensor) -> Tensor:
+        """De-quantized rows [len(index), K] float32: an embedding lookup."""
+        t, lane = index // TILE, index % TILE
+        words, scale, mn = (
+            self.words.view(torch.int32)[t, :, lane],
+            self.scale[t, :, lane],
+            self.min[t, :, lane],
+        )
+        per_word, mask = 32 // self.bits, (1 << self.bits) - 1
+        fields = torch.stack([(words >> (self.bits * i)) & mask for i in range(per_word)], -1).flatten(1)
+        return fields.float() * scale.repeat_interleave(self.group, 1) + mn.repeat_interleave(self.group, 1)
+
+    def matvec(self, x: Tensor) -> Tensor:
+        """One row [1, K] -> [1, N] float32: each word's fields are masked in place and their inputs
+        scaled by the matching power of two (exact), then sum(scale * sum_fields + min * sum_x)."""
+        per_word, bits = 32 // self.bits, self.bits
+        mask = (1 << bits) - 1
+        xf = x.float().view(-1, per_word)  # [W, per_word]
+        x_sum = xf.sum(-1)
+        shift = torch.tensor([2.0 ** (-bits * i) for i in range(per_word - 1)] + [1.0], device=x.device)
+        xs = torch.ops.prims.inductor_force_stride_order(xf * shift, (per_word, 1))
+        w = self.words.view(torch.int32)
+        inner = None
+        for i in range(per_word):
+            # The top field shifted down: masked in place it would turn the int32 negative.
+            field = (w >> (bits * i)) & mask if i == per_word - 1 else w & (mask << (bits * i))
+            term = xs[None, :, i, None] * field.float()
+            inner = term if inner is None else inner + term
+        rep = self.group // per_word
+        y = (_per_word(self.scale, rep) * inner + _per_word(self.min, rep) * x_sum[None, :, None]).sum(1)
+        return y.reshape(1, -1)
+
+
+def _tile(t: Tensor) -> Tensor:
+    n, c = t.shape
+    return t.view(n // TILE, TILE, c).transpose(1, 2).contiguous()
+
+
+def _untile(t: Tensor) -> Tensor:
+    """[T, C, TILE] -> [T * TILE, C]."""
+    return t.transpose(1, 2).flatten(0, 1)
+
+
+def _per_word(t: Tensor, rep: int) -> Tensor:
+    """Per-group [T, G, TILE] values repeated for each of a group's `rep` words: [T, G * rep, TILE]."""
+    tiles, groups, lanes = t.shape
+    return t[:, :, None, :].expand(tiles, groups, rep, lanes).reshape(tiles, groups * rep, lanes)
+
+
+class QuantLinear(Linear):
+    """A Linear whose weight is packed: one row through the fused kernel, more rows de-quantized."""
+
+    def __init__(self, packed: PackedWeight, bias: Tensor | None) -> None:
+        nn.Module.__init__(self)
+        self.packed = packed
+        self.in_features, self.out_features = packed.in_features, packed.out_features
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: Tensor, weight_left: bool = False) -> Tensor:
+        if self.row_blocks and x.shape[0] == 1:
+            return self.matvec(x)
+        dtype = x.dtype
+        mm = cpu_matmul_dtype(dtype) if x.device.type == "cpu" else dtype
+        y = x.to(mm) @ self.packed.kn().to(mm)
+        return (y if self.bias is None else y + self.bias.to(mm)).to(dtype)
+
+    def matvec(self, x: Tensor) -> Tensor:
+        y = self.packed.matvec(x).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class QuantEmbedding(nn.Module):
+    def __init__(self, packed: PackedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.packed, self.dtype = packed, dtype
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.packed.rows(ids).to(self.dtype)
+
+
+def keep_freed_memory() -> None:
+    """glibc hands large blocks back to the kernel on free, so the weights de-quantized for a step of
+    several rows land on fresh pages each step and pay a fault per page; kept, steps of 8 rows ran 1.6x
+    faster (BENCHMARKS.md). Elsewhere than glibc this does nothing."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-4, 0)  # M_MMAP_MAX: no allocation gets its own mapping
+        libc.mallopt(-1, 1 << 62)  # M_TRIM_THRESHOLD: never give the heap's top back
+    except (OSError, AttributeError):
+        pass
+
+
+def describe(modules: list[nn.Module]) -> str:
+    """'Q4_1 210, Q8_0 1' for the log line at start."""
+    kinds: dict[str, int] = {}
+    for m in modules:
+        if isinstance(m, PackedWeight):
+            kinds[m.kind] = kinds.get(m.kind, 0) + 1
+    return ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))

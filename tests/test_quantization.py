@@ -1,0 +1,136 @@
+"""Quantized weights: GGUF blocks read exactly, the packed layout's kernels, and whole models against
+transformers on the same de-quantized weights."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from compiled.loader import _dequantize
+from compiled.quant import INDUCTOR_OPTIONS, PackedWeight, from_gguf, quantize
+from engine import LLM
+from engine.config import EngineConfig
+from server.bench.driver import RunnerDriver, build_runner, chat_prompts, greedy_mismatches
+from tests.test_model_runner import check_packed_step, poison_kv_cache
+
+KINDS = {"Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1}
+KINDS["Q8_0"] = gguf.GGMLQuantizationType.Q8_0
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_gguf_blocks_decode_as_gguf_does(kind):
+    rows, cols = 16, 96
+    values = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32)
+    blocks = gguf.quants.quantize(values, KINDS[kind])
+    expected = gguf.quants.dequantize(blocks, KINDS[kind])
+    ours = from_gguf(kind, blocks, rows, cols)
+    assert torch.equal(ours.dequantize(), torch.from_numpy(expected))
+    assert torch.equal(PackedWeight(ours).kn().T, torch.from_numpy(expected))
+
+
+def test_an_unreadable_block_type_names_the_tensor():
+    with pytest.raises(ValueError, match=r"blk\.3\.ffn_up\.weight has block type type 99"):
+        _dequantize("blk.3.ffn_up.weight", "type 99", 99, np.zeros(64, np.uint8), 32)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_packed_kernels_compute_the_dequantized_product(method):
+    torch.manual_seed(0)
+    w = torch.randn(48, 128)
+    q = quantize(w, method)
+    dense, packed = q.dequantize(), PackedWeight(q)
+    assert (dense - w).abs().max() <= (0.5 if method == "int4" else 0.05) * w.abs().max()
+    assert torch.equal(packed.kn().T, dense)
+    ids = torch.tensor([0, 7, 8, 47])
+    assert torch.equal(packed.rows(ids), dense[ids])
+    x = torch.randn(1, 128)
+    matvec = torch.compile(packed.matvec, options=INDUCTOR_OPTIONS, dynamic=False)
+    for y in (packed.matvec(x), matvec(x)):
+        torch.testing.assert_close(y, x @ dense.T, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_quantization_is_refused_before_the_engine_starts(tiny_llama):
+    with pytest.raises(ValueError, match="quantization must be none, gguf, int8 or int4"):
+        EngineConfig(quantization="fp3")
+    with pytest.raises(ValueError, match=r"quantization gguf needs a \.gguf model file"):
+        LLM(model=tiny_llama, quantization="gguf")
+
+
+def _dequantized_copy(model_dir: str, method: str, target) -> str:
+    """The HF model with every linear replaced by its int8/int4 values; a tied head is untied, as kiln
+    keeps the input embedding's values."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    head = hf.get_output_embeddings()
+    if head.weight is hf.get_input_embeddings().weight:
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+        hf.config.tie_word_embeddings = False
+    with torch.no_grad():
+        for module in hf.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(quantize(module.weight, method).dequantize())
+    hf.save_pretrained(target)
+    return str(target)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_packed_step_matches_transformers(tiny_model, method, tmp_path):
+    reference = _dequantized_copy(tiny_model, method, tmp_path / "dequantized")
+    check_packed_step(tiny_model, vocab=320, hf_dir=reference, quantization=method)
+
+
+@pytest.mark.slow
+def test_gguf_blocks_match_transformers_smollm2(smollm2_dir, smollm2_hf):
+    """The default GGUF's own Q4_1/Q8_0 blocks against transformers' forward on the GGUF de-quantized
+    to float32: a packed step's logits, then greedy tokens compiled."""
+    check_packed_step(None, vocab=49152, hf_dir=smollm2_dir, tolerance=1e-3, quantization="gguf")
+    from transformers import AutoTokenizer
+
+    torch._dynamo.reset()
+    runner = build_runner(
+        None,
+        quantization="gguf",
+        dtype="float32",
+        max_num_seqs=8,
+        num_kv_blocks=128,
+        max_num_batched_tokens=64,
+    )
+    assert sum(isinstance(m, PackedWeight) for m in runner.model.modules()) == 121
+    runner.initialize_kv_cache(128)
+    poison_kv_cache(runner)
+    prompts = chat_prompts(AutoTokenizer.from_pretrained(smollm2_dir), 5)
+    assert greedy_mismatches(runner, smollm2_hf, prompts, batch_tokens=32, tail_tokens=32) == []
+
+
+TEXT = (
+    "The kiln is a thermally insulated chamber, a type of oven, that produces temperatures sufficient to "
+    "complete some process, such as hardening, drying, or chemical changes. Kilns have been used for "
+    "millennia to turn objects made from clay into pottery, tiles and bricks. Various industries use "
+    "rotary kilns for pyroprocessing: to calcinate ores, to calcinate limestone to lime for cement, and "
+    "to transform many other materials. The earliest known kilns date from about 6000 BC, and were found "
+    "at the Yarim Tepe site in modern Iraq. Neolithic kilns were able to produce temperatures greater "
+    "than 900 degrees Celsius."
+)
+
+
+def _perplexity(smollm2_dir: str, **engine_args) -> float:
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(smollm2_dir)(TEXT)["input_ids"]
+    runner = build_runner(None, max_num_seqs=1, num_kv_blocks=64, enforce_eager=True, **engine_args)
+    runner.initialize_kv_cache(64)
+    drv = RunnerDriver(runner)
+    drv.add("text", ids)
+    logits = drv.logits(drv.build())["text"].float()
+    nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
+    return float(torch.exp(nll))
+
+
+@pytest.mark.slow
+def test_int8_and_int4_perplexity_stay_near_bfloat16(smollm2_dir):
+    reference = _perplexity(smollm2_dir, dtype="bfloat16")
+    int8 = _perplexity(smollm2_dir, dtype="bfloat16", quantization="int8")
+    int4 = _perplexity(smollm2_dir, dtype="bfloat16", quantization="int4")
+    assert 1 < reference < 100
+    assert abs(int8 / reference - 1) < 0.02, (reference, int8)
+    assert abs(int4 / reference - 1) < 0.08, (reference, int4)

@@ -108,6 +108,15 @@ _FUSED = {  # ours <- the HF parts, concatenated in this order along dim 0
 }
 
 
+def _renamed(name: str, table: list[tuple[str, str]]) -> str | None:
+    """`name` through the first pattern of `table` that matches it; None when none does."""
+    for pattern, repl in table:
+        new, n = re.subn(pattern, repl, name)
+        if n:
+            return new
+    return None
+
+
 def _cat(name: str, pieces: list) -> torch.Tensor | Quantized:
     """Parts of a fused weight stacked; quantized parts of different formats are de-quantized."""
     if all(isinstance(p, torch.Tensor) for p in pieces):
@@ -133,13 +142,7 @@ def convert_state_dict(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 parts.setdefault(key, {})[m.group(2)] = tensor
                 break
         else:
-            for pattern, repl in _RENAMES:
-                new, n = re.subn(pattern, repl, name)
-                if n:
-                    out[new] = tensor
-                    break
-            else:
-                out[name] = tensor
+            out[_renamed(name, _RENAMES) or name] = tensor
     for key, pieces in parts.items():
         order = "qkv" if "wqkv" in key else ("gate", "up")
         missing = [p for p in order if p not in pieces]
@@ -246,13 +249,9 @@ def read_gguf(path: str, args: ModelArgs) -> dict[str, torch.Tensor | Quantized]
     state: dict[str, torch.Tensor | Quantized] = {}
     fallback: dict[str, list[str]] = {}
     for gguf_name, kind, kind_id, shape, raw in tensors:
-        name = gguf_name
-        for pattern, repl in _GGUF_NAMES:
-            name, n = re.subn(pattern, repl, name)
-            if n:
-                break
         if gguf_name == "rope_freqs.weight":  # Llama 3's RoPE scaling, which the config also gives
             continue
+        name = _renamed(gguf_name, _GGUF_NAMES) or gguf_name
         cols, rows = int(shape[0]), int(np.prod(shape[1:]))
         if kind in GGUF_BLOCK and len(shape) == 2:
             value: torch.Tensor | Quantized = from_gguf(
@@ -303,9 +302,8 @@ def _place(model: Transformer, name: str, value: torch.Tensor | Quantized, dtype
         setattr(parent, child, QuantEmbedding(packed, dtype))
         if model.args.tie_word_embeddings:
             model.output = QuantLinear(packed, None)
-    else:
-        bias = module.bias.detach() if module.bias is not None and not module.bias.is_meta else None
-        setattr(parent, child, QuantLinear(packed, bias))
+    else:  # its bias, if any, is placed after it
+        setattr(parent, child, QuantLinear(packed, None))
 
 
 def quantize_model(model: Transformer, method: str) -> None:

@@ -36,8 +36,8 @@ class ModelRunner:
         self.config, self.device, self.dtype = config, device, dtype
         start = time.perf_counter()
         self.model = load_model(config.model, dtype, device, config.quantization, gguf_path)
-        tensors = {id(p): p for p in self.model.parameters()}.values()
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        params = {id(p): p for p in self.model.parameters()}.values()
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in params)
         self.model.pack_output()
         logger.info(
             "weights: %.2f GiB %s%s loaded in %.1f s from %s",

@@ -22,7 +22,6 @@ from torch import Tensor, nn
 
 from compiled.models.llama import Linear, cpu_matmul_dtype
 
-QUANTIZATIONS = ("none", "gguf", "int8", "int4")
 TILE = 8  # rows per tile: eight float32 lanes, one AVX2 vector
 INT4_GROUP = 32
 INT8_GROUP = 64  # one scale per output channel cost 2.7 % perplexity on SmolLM2, groups of 64 none
@@ -108,7 +107,9 @@ def quantize(w: Tensor, method: str) -> Quantized:
 
 
 def quantizable(method: str, w: Tensor) -> bool:
-    return w.dim() == 2 and w.shape[0] % TILE == 0 and (method == "int8" or w.shape[1] % INT4_GROUP == 0)
+    """Whether `quantize(w, method)` packs: whole tiles of rows, whole words (and int4 groups) of columns."""
+    columns = 4 if method == "int8" else INT4_GROUP
+    return w.dim() == 2 and w.shape[0] % TILE == 0 and w.shape[1] % columns == 0
 
 
 # ---- packed for compute ----------------------------------------------------------------------------
@@ -136,10 +137,6 @@ class PackedWeight(nn.Module):
         self.words = nn.Parameter(_tile(words).view(torch.float32), requires_grad=False)
         self.scale = nn.Parameter(_tile(w.scale.float()), requires_grad=False)
         self.min = nn.Parameter(_tile(w.min.float()), requires_grad=False)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.words, self.scale, self.min))
 
     def kn(self) -> Tensor:
         """De-quantized and transposed, [K, N] float32: written that way, Inductor's kernel reads and
@@ -196,11 +193,6 @@ def _tile(t: Tensor) -> Tensor:
     return t.view(n // TILE, TILE, c).transpose(1, 2).contiguous()
 
 
-def _untile(t: Tensor) -> Tensor:
-    """[T, C, TILE] -> [T * TILE, C]."""
-    return t.transpose(1, 2).flatten(0, 1)
-
-
 def _per_word(t: Tensor, rep: int) -> Tensor:
     """Per-group [T, G, TILE] values repeated for each of a group's `rep` words: [T, G * rep, TILE]."""
     tiles, groups, lanes = t.shape
@@ -251,7 +243,7 @@ def keep_freed_memory() -> None:
 
 
 def describe(modules: list[nn.Module]) -> str:
-    """'Q4_1 210, Q8_0 1' for the log line at start."""
+    """'Q4_1 x120, Q8_0 x1' for the log line at start."""
     kinds: dict[str, int] = {}
     for m in modules:
         if isinstance(m, PackedWeight):

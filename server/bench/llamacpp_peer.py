@@ -29,7 +29,7 @@ def main() -> None:
         request = json.loads(line)
         llm.reset()
         start, times = time.perf_counter(), []
-        for _ in llm.generate(request["prompt"], temp=0.0, top_k=1, reset=True):
+        for _ in llm.generate(request["prompt"], temp=0.0, top_k=1):
             times.append(time.perf_counter())
             if len(times) == request["output_len"]:
                 break

@@ -105,7 +105,9 @@ class CompilePolicy:
             triton = torch._inductor.config.triton
             if hasattr(triton, "cudagraph_dynamic_shape_warn_limit"):
                 triton.cudagraph_dynamic_shape_warn_limit = None
-        elif guard_free.supported():
+        elif guard_free.supported() and model.args.tp_size == 1:
+            # Under tensor parallelism the direct call crashed in Inductor's module (a collective in the
+            # graph): those layers keep Dynamo's guarded calls.
             self.decode_forward = self._decode_guard_free
 
     def mark_kv_cache(self, caches: list[Tensor]) -> None:

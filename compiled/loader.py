@@ -6,6 +6,7 @@ Where a model's files are is decided without torch, in engine/model_files.py; a 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from compiled.models.llama import CPU_HAS_FAST_BF16, Linear, ModelArgs, Transformer, rope_inv_freq
+from compiled.parallel import Split
 from compiled.quant import (
     GGUF_BLOCK,
     PackedWeight,
@@ -31,6 +33,7 @@ from compiled.quant import (
     quantizable,
     quantize,
 )
+from engine.config import tensor_parallel_error
 
 logger = logging.getLogger("kiln.loader")
 
@@ -323,10 +326,16 @@ def load_model(
     device: torch.device,
     quantization: str = "none",
     gguf_path: str | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> Transformer:
-    """Build the model from `model_dir`'s config and weights (a GGUF file's own blocks with
-    quantization "gguf"); a missing or unexpected tensor is an error."""
+    """Build the model, or tensor-parallel rank `tp_rank`'s part of it, from `model_dir`'s config and
+    weights (a GGUF file's own blocks with quantization "gguf"); a missing or unexpected tensor is an
+    error."""
     args = ModelArgs.from_hf_config(load_config(model_dir))
+    if error := tensor_parallel_error(args.n_heads, args.n_kv_heads, args.intermediate_size, tp_size):
+        raise ValueError(f"{model_dir} cannot run tensor-parallel: {error}")
+    args = dataclasses.replace(args, tp_rank=tp_rank, tp_size=tp_size)
     with torch.device("meta"):
         model = Transformer(args)
     if quantization == "gguf":
@@ -337,6 +346,8 @@ def load_model(
         state = convert_state_dict(read_safetensors(model_dir))
     if args.tie_word_embeddings:
         state.pop("output.weight", None)
+    if tp_size > 1:
+        state = Split.of(args).state_dict(state)
     expected = {n for n, _ in model.named_parameters()}
     missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
     if missing or unexpected:

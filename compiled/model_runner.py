@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from compiled import compile_policy
+from compiled import compile_policy, parallel
 from compiled.compile_policy import WARMUP_CONTEXT, CompilePolicy
 from compiled.input_batch import CachedRequestState, InputBatch, StepBatch, cdiv, sampling_inputs
 from compiled.loader import load_model
@@ -29,13 +29,22 @@ PROMPT_LOGITS_ROWS = 256  # rows of prompt logits computed at once: 256 x vocab 
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, device: torch.device, dtype: torch.dtype, gguf_path: str | None = None
+        self,
+        config: EngineConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        gguf_path: str | None = None,
+        rank: int = 0,
     ) -> None:
         """`config.model` is an HF directory (`gguf_path` the file it came from, if any); `config`'s
-        budgets are resolved for `device`."""
-        self.config, self.device, self.dtype = config, device, dtype
+        budgets are resolved for `device`. Under tensor parallelism this is rank `rank`'s runner: every
+        rank runs each step, rank 0 samples and hands its tokens to the others."""
+        self.config, self.device, self.dtype, self.rank = config, device, dtype, rank
+        self.tensor_parallel = config.tensor_parallel_size > 1
         start = time.perf_counter()
-        self.model = load_model(config.model, dtype, device, config.quantization, gguf_path)
+        self.model = load_model(
+            config.model, dtype, device, config.quantization, gguf_path, rank, config.tensor_parallel_size
+        )
         params = {id(p): p for p in self.model.parameters()}.values()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in params)
         self.model.pack_output()
@@ -67,7 +76,7 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         a = self.model.args
-        return 2 * a.n_layers * self.block_size * a.n_kv_heads * a.head_dim * self.dtype.itemsize
+        return 2 * a.n_layers * self.block_size * self.model.split.kv_heads * a.head_dim * self.dtype.itemsize
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -161,11 +170,14 @@ class ModelRunner:
         if not step.sampled:
             return [], None, prompt_logprobs
         logits = self.model.compute_logits(hidden[self.batch.inputs.put("logits_index", step.logits_index)])
+        if logits is None:  # a tensor-parallel rank past 0: it takes rank 0's tokens
+            tokens = torch.empty(len(step.sampled), dtype=torch.int64, device=self.device)
+            return parallel.broadcast(tokens).tolist(), None, prompt_logprobs
         meta = sampling_inputs(step.sampled, self.vocab_size, self.device)
         if grammar_bitmasks:
             meta.token_bitmask = self._bitmask(step.sampled, grammar_bitmasks)
         out = sample(logits, meta)
-        tokens = out.token_ids.tolist()
+        tokens = (parallel.broadcast(out.token_ids) if self.tensor_parallel else out.token_ids).tolist()
         if out.logprobs is None:
             return tokens, None, prompt_logprobs
         lp = out.logprobs.tolist()
@@ -192,7 +204,10 @@ class ModelRunner:
         n, out = s.sampling_params.prompt_logprobs or 0, []
         for first in range(0, hidden.shape[0], PROMPT_LOGITS_ROWS):
             h = hidden[first : first + PROMPT_LOGITS_ROWS]
-            logprobs = self.model.compute_logits(h).float().log_softmax(-1)
+            logits = self.model.compute_logits(h)
+            if logits is None:  # a tensor-parallel rank past 0: its shard went to rank 0
+                continue
+            logprobs = logits.float().log_softmax(-1)
             at = start + 1 + first
             targets = torch.tensor(s.token_ids[at : at + h.shape[0]], device=logprobs.device)
             chosen = logprobs.gather(-1, targets[:, None])[:, 0].tolist()

@@ -12,6 +12,7 @@ import msgspec
 import torch
 import torch._inductor.compile_fx  # what torch.compile imports on first use: loaded with this module
 
+from compiled import parallel
 from compiled.cpu_threads import CpuThreads
 from compiled.loader import convert_gguf, resolve_dtype
 from compiled.model_runner import ModelRunner
@@ -27,22 +28,38 @@ def resolve_device(name: str) -> torch.device:
 
 
 class Worker:
-    """Owns the device: its threads, the weights, the KV cache and the model runner."""
+    """Owns the device: its threads, the weights (its part of them, under tensor parallelism), the KV
+    cache and the model runner."""
 
-    def __init__(self, config: EngineConfig, model_dir: str, gguf_file: str | None = None) -> None:
-        device = resolve_device(config.device)
+    def __init__(
+        self, config: EngineConfig, model_dir: str, gguf_file: str | None = None, rank: int = 0
+    ) -> None:
+        device, size = resolve_device(config.device), config.tensor_parallel_size
         self.threads: CpuThreads | None = None  # follows the load unless the count was given
-        if device.type == "cpu" and config.num_threads:
+        if device.type == "cuda" and size > 1:
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
+        elif device.type == "cpu" and size > 1:
+            torch.set_num_threads(_share_cores(rank, size, config.num_threads))
+        elif device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
         elif device.type == "cpu":
             self.threads = CpuThreads()
-        if gguf_file is not None and not os.path.exists(os.path.join(model_dir, "model.safetensors")):
+        if size > 1:
+            parallel.init(rank, size, device)
+        if (
+            rank == 0
+            and gguf_file is not None
+            and not os.path.exists(os.path.join(model_dir, "model.safetensors"))
+        ):
             convert_gguf(gguf_file, model_dir)
+        if size > 1:
+            parallel.barrier()  # the other ranks read what rank 0 converted
         if device.type == "cpu" and config.quantization != "none":
             keep_freed_memory()
         gguf_path = config.model if config.model and config.model.endswith(".gguf") else None
         self.config = msgspec.structs.replace(config.resolved(device.type == "cuda"), model=model_dir)
-        self.runner = ModelRunner(self.config, device, resolve_dtype(config.dtype, device), gguf_path)
+        self.runner = ModelRunner(self.config, device, resolve_dtype(config.dtype, device), gguf_path, rank)
 
     @property
     def max_model_len(self) -> int:
@@ -70,7 +87,8 @@ class Worker:
         elif r.device.type == "cuda":
             budget = self._cuda_kv_budget()
         else:
-            budget = int(_available_ram() * c.cpu_kv_cache_fraction)
+            # Every rank of a CPU's tensor-parallel group allocates its cache from the same RAM.
+            budget = int(_available_ram() * c.cpu_kv_cache_fraction) // c.tensor_parallel_size
         useful = c.max_num_seqs * r.max_blocks_per_seq + 1
         num_blocks = min(budget // r.kv_bytes_per_block(), useful)
         if num_blocks < 2:
@@ -107,3 +125,69 @@ def _available_ram() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+def _share_cores(rank: int, size: int, num_threads: int | None) -> int:
+    """Rank `rank`'s threads: an equal share of the allowed cores (or of `num_threads`), pinned to cores
+    of its own where there are enough, so that no two ranks' threads take turns on one core."""
+    cores = sorted(os.sched_getaffinity(0))
+    threads = max(1, (num_threads or len(cores)) // size)
+    if len(cores) >= size * threads:
+        os.sched_setaffinity(0, cores[rank * threads : (rank + 1) * threads])
+    return threads
+
+
+def main() -> None:
+    """A tensor-parallel rank's process: `python -m compiled.worker RANK INPUT OUTPUT PARENT_PID`, started by
+    the engine core's executor (engine/executor.py), whose calls it runs until told to shut down."""
+    import logging
+    import sys
+
+    import zmq
+
+    import engine.messages as m
+    from engine.processes import die_with_parent
+
+    rank, parent = int(sys.argv[1]), int(sys.argv[4])
+    die_with_parent(parent)
+    logging.basicConfig(
+        level=os.environ.get("KILN_LOG_LEVEL", "INFO") if rank == 0 else "WARNING",
+        stream=sys.stderr,
+        format=f"%(levelname)s %(asctime)s [worker {rank}] %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    ctx = zmq.Context()
+    inputs, outputs = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inputs.connect(sys.argv[2])
+    outputs.connect(sys.argv[3])
+    decoder = msgspec.msgpack.Decoder(m.WorkerInput, dec_hook=m.decode_array)
+    encoder = msgspec.msgpack.Encoder()
+    worker: Worker | None = None
+    try:
+        while not isinstance(msg := decoder.decode(inputs.recv()), m.Shutdown):
+            if isinstance(msg, m.ExecuteModel):
+                out = worker.execute_model(msg.scheduler_output)
+                if rank == 0:
+                    outputs.send(encoder.encode(m.WorkerStepOutput(out)))
+            elif isinstance(msg, m.WorkerCall):
+                result = getattr(worker, msg.method)(*msg.args)
+                outputs.send(encoder.encode(m.WorkerReply(rank, result)))
+            else:
+                worker = Worker(msg.config, msg.model_dir, msg.gguf_file, rank)
+                r = worker.runner
+                outputs.send(
+                    encoder.encode(
+                        m.WorkerReady(
+                            rank, worker.config, r.max_model_len, worker.dtype, worker.device, r.vocab_size
+                        )
+                    )
+                )
+    except Exception as e:
+        logging.getLogger("kiln.worker").exception("worker %d failed", rank)
+        outputs.send(encoder.encode(m.WorkerReply(rank, error=f"{type(e).__name__}: {e}")))
+        sys.exit(1)
+    parallel.shutdown()
+
+
+if __name__ == "__main__":
+    main()

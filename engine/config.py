@@ -63,6 +63,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     num_threads: Annotated[
         int | None, _help("engine-core torch threads (default: the cores other processes leave free)")
     ] = None
+    tensor_parallel_size: Annotated[
+        int, _help("worker processes the model is split across, one per device (CPU: the cores shared)")
+    ] = 1
     max_pending_requests: Annotated[
         int, _help("streaming front ends: requests held beyond max_num_seqs before more are refused (429)")
     ] = 4096
@@ -72,6 +75,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         checks = [
             (self.block_size in (8, 16, 32, 64, 128), "block_size", "must be one of 8, 16, 32, 64, 128"),
             (self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1"),
+            (self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1"),
             (self.usage in ("offline", "serving"), "usage", "must be offline or serving"),
             (budget is None or budget >= 1, "max_num_batched_tokens", "must be at least 1"),
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be at least 2"),
@@ -124,3 +128,20 @@ def cli_fields() -> dict[str, tuple[type, object, str]]:
             kind = next((t for t in getattr(base, "__args__", (base,)) if t is not type(None)), base)
             fields[name] = (kind, getattr(defaults, name), meta.description)
     return fields
+
+
+def tensor_parallel_error(n_heads: int, n_kv_heads: int, intermediate_size: int, size: int) -> str | None:
+    """Why a model cannot be split across `size` ranks (None when it can): each rank takes whole query
+    heads and an equal share of the MLP, and either whole KV heads or one KV head replicated."""
+    if size == 1:
+        return None
+    if n_heads % size:
+        return f"its {n_heads} attention heads cannot be divided among tensor_parallel_size={size} ranks"
+    if n_kv_heads % size and size % n_kv_heads:
+        return (
+            f"its {n_kv_heads} key/value heads can be neither divided among nor replicated across "
+            f"tensor_parallel_size={size} ranks"
+        )
+    if intermediate_size % size:
+        return f"its MLP width {intermediate_size} cannot be divided among tensor_parallel_size={size} ranks"
+    return None

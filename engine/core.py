@@ -8,8 +8,6 @@ sends StartCore first; every message is msgpack (engine/messages.py).
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
 import logging
 import os
@@ -21,7 +19,7 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig
-from engine.executor import Executor, import_worker_module
+from engine.executor import import_worker_module, make_executor
 from engine.messages import (
     AbortRequests,
     CoreFailed,
@@ -35,6 +33,7 @@ from engine.messages import (
     UtilityCall,
     UtilityResult,
 )
+from engine.processes import die_with_parent
 from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.structured_output import StructuredOutputManager
@@ -52,7 +51,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, model_dir: str, gguf_file: str | None = None) -> None:
         logger.info("engine config: %s", msgspec.json.encode(config).decode())
-        self.executor = Executor(config, model_dir, gguf_file)
+        self.executor = make_executor(config, model_dir, gguf_file)
         self.config = c = self.executor.config
         start = time.perf_counter()
         self.num_blocks = self.executor.initialize()
@@ -191,6 +190,8 @@ class EngineCoreProc:
             logger.exception("engine core failed")
             self.send(CoreFailed(f"engine core failed: {type(e).__name__}: {e}"))
             raise
+        finally:
+            self.core.executor.shutdown()
 
     def _drain_inputs(self, block: bool) -> bool:
         """Apply every pending input; False once asked to shut down."""
@@ -226,19 +227,9 @@ class EngineCoreProc:
             return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
 
 
-def _die_with_parent(parent: int) -> None:
-    """Ask the kernel to SIGKILL us when the front end (pid `parent`) exits, however it exits: no orphans."""
-    PR_SET_PDEATHSIG = 1
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    # Reparented: the front end died before prctl took effect. (A front end may itself be pid 1.)
-    if os.getppid() != parent:
-        sys.exit(1)
-
-
 def main() -> None:
     parent = int(sys.argv[3])
-    _die_with_parent(parent)
+    die_with_parent(parent)
 
     def on_sigterm(*_: object) -> None:
         # A SIGTERM to the whole process group (a supervisor stopping it) reaches us too: while the front

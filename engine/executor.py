@@ -1,17 +1,34 @@
-"""The engine core's handle on its worker, found by name: the core's code never imports the worker's.
+"""The engine core's handle on its workers, found by name: the core's code never imports the worker's.
 
-One worker in the engine-core process (tensor parallelism would put one per device behind the same
-calls). Everything that crosses is the step contract (engine/step.py) or a plain value.
+`Executor` keeps the one worker in the engine-core process (tensor_parallel_size 1); `MultiprocExecutor`
+starts one worker process per tensor-parallel rank and reaches them over zmq. Either way everything that
+crosses is the step contract (engine/step.py) or a plain value, msgspec-encoded between processes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
 
-from engine.config import EngineConfig
+import msgspec
+import zmq
+
+from engine import messages as m
+from engine.config import EngineConfig, tensor_parallel_error
+from engine.processes import free_port
 from engine.step import ModelRunnerOutput, SchedulerOutput
 
 WORKER_CLASS = "compiled.worker.Worker"
+POLL_MS = 200  # how often a wait for workers checks that they all live
 
 
 def import_worker_module() -> None:
@@ -19,7 +36,15 @@ def import_worker_module() -> None:
     importlib.import_module(WORKER_CLASS.rpartition(".")[0])
 
 
+def make_executor(config: EngineConfig, model_dir: str, gguf_file: str | None = None) -> Executor:
+    if config.tensor_parallel_size == 1:
+        return Executor(config, model_dir, gguf_file)
+    return MultiprocExecutor(config, model_dir, gguf_file)
+
+
 class Executor:
+    """The worker in this process. Subclasses keep its interface: the properties, then these calls."""
+
     def __init__(self, config: EngineConfig, model_dir: str, gguf_file: str | None = None) -> None:
         module, _, name = WORKER_CLASS.rpartition(".")
         self.worker = getattr(importlib.import_module(module), name)(config, model_dir, gguf_file)
@@ -31,7 +56,7 @@ class Executor:
 
     def initialize(self) -> int:
         """Size and allocate the KV cache, then compile and warm up; returns the number of KV blocks."""
-        num_blocks = self.worker.determine_num_blocks()
+        num_blocks = self._call("determine_num_blocks")
         bs = self.config.block_size
         held = (num_blocks - 1) * bs  # block 0 is the null block
         if held < self.max_model_len:
@@ -41,9 +66,130 @@ class Executor:
                 f"sequence of max_model_len={self.max_model_len}: give it more memory (kv_cache_memory, "
                 "num_kv_blocks) or lower max_model_len"
             )
-        self.worker.initialize_kv_cache(num_blocks)
-        self.worker.warm_up()
+        self._call("initialize_kv_cache", num_blocks)
+        self._call("warm_up")
         return num_blocks
+
+    def _call(self, method: str, *args: Any) -> Any:
+        return getattr(self.worker, method)(*args)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(so)
+
+    def shutdown(self) -> None:
+        pass
+
+
+class MultiprocExecutor(Executor):
+    """One worker process per tensor-parallel rank, each sent every call; a call's answer is every rank's
+    (the smallest KV-cache size), a step's is rank 0's tokens. A worker that fails or exits fails the
+    engine core (RuntimeError), which takes the other workers with it: each dies with the core."""
+
+    def __init__(self, config: EngineConfig, model_dir: str, gguf_file: str | None = None) -> None:
+        size = config.tensor_parallel_size
+        hf_config = Path(model_dir) / "config.json"
+        if hf_config.exists():  # a GGUF's first start has none yet: its workers check after converting
+            c = json.loads(hf_config.read_text())
+            heads = c.get("num_attention_heads", 0)
+            error = tensor_parallel_error(
+                heads, c.get("num_key_value_heads") or heads, c.get("intermediate_size", 0), size
+            )
+            if error:
+                raise ValueError(f"{model_dir} cannot run tensor-parallel: {error}")
+        self.ipc_dir = tempfile.mkdtemp(prefix="kiln-workers-")
+        self.ctx = zmq.Context()
+        self.ctx.setsockopt(zmq.LINGER, 0)
+        self.replies = self.ctx.socket(zmq.PULL)
+        self.replies.bind(f"ipc://{self.ipc_dir}/out")
+        self.encoder = msgspec.msgpack.Encoder(enc_hook=m.encode_array)
+        self.decoder = msgspec.msgpack.Decoder(m.WorkerOutput)
+        # torch.distributed's rendezvous: as the environment gives it (torchrun, a user), else a free port.
+        env = dict(os.environ)
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        env.setdefault("MASTER_PORT", str(free_port(env["MASTER_ADDR"])))
+        self.inputs, self.procs = [], []
+        for rank in range(size):
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.bind(f"ipc://{self.ipc_dir}/in{rank}")
+            self.inputs.append(sock)
+            self.procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "compiled.worker",
+                        str(rank),
+                        f"ipc://{self.ipc_dir}/in{rank}",
+                        f"ipc://{self.ipc_dir}/out",
+                        str(os.getpid()),
+                    ],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                )
+            )
+        try:
+            self._send(m.StartWorker(config, model_dir, gguf_file))
+            ready = self._wait(m.WorkerReady, size)[0]
+        except BaseException:
+            self.shutdown()
+            raise
+        self.config, self.max_model_len, self.vocab_size = ready.config, ready.max_model_len, ready.vocab_size
+        self.dtype, self.device = ready.dtype, ready.device
+
+    def _send(self, msg: m.WorkerInput) -> None:
+        """`msg` to every rank; a PUSH socket waits for its worker to connect, so wait only while it lives."""
+        frame = self.encoder.encode(msg)
+        for sock in self.inputs:
+            while not sock.poll(POLL_MS, zmq.POLLOUT):
+                self._check_alive()
+            sock.send(frame, copy=False, flags=zmq.NOBLOCK)
+
+    def _check_alive(self, but: int | None = None) -> None:
+        for rank, proc in enumerate(self.procs):
+            if rank != but and proc.poll() is not None:
+                raise RuntimeError(f"worker {rank} exited unexpectedly (exit code {proc.returncode})")
+
+    def _wait(self, kind: type, count: int) -> list:
+        """The next `count` answers of type `kind`, in rank order where they carry one; a worker's error or
+        exit is a RuntimeError."""
+        got = []
+        while len(got) < count:
+            if not self.replies.poll(POLL_MS):
+                self._check_alive()
+                continue
+            msg = self.decoder.decode(self.replies.recv())
+            if isinstance(msg, m.WorkerReply) and msg.error is not None:
+                # A collective fails on every rank when one rank dies: name the dead one, if that is it.
+                deadline = time.monotonic() + 1.0
+                while time.monotonic() < deadline:
+                    self._check_alive(but=msg.rank)
+                    time.sleep(0.05)
+                raise RuntimeError(f"worker {msg.rank} failed: {msg.error}")
+            if not isinstance(msg, kind):
+                raise RuntimeError(f"expected {kind.__name__} from the workers, got {type(msg).__name__}")
+            got.append(msg)
+        return sorted(got, key=lambda r: getattr(r, "rank", 0))
+
+    def _call(self, method: str, *args: Any) -> Any:
+        self._send(m.WorkerCall(method, list(args)))
+        results = [r.result for r in self._wait(m.WorkerReply, len(self.procs))]
+        return min(results) if method == "determine_num_blocks" else results[0]
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._send(m.ExecuteModel(so))
+        return self._wait(m.WorkerStepOutput, 1)[0].output
+
+    def shutdown(self) -> None:
+        """Ask every worker to stop, then make sure it has; safe to call more than once."""
+        frame = self.encoder.encode(m.Shutdown())
+        for sock in self.inputs:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.send(frame, flags=zmq.NOBLOCK)
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        self.ctx.destroy()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)

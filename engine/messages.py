@@ -8,10 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from engine.config import EngineConfig
 from engine.params import SamplingParams
-from engine.step import TokenLogprobs
+from engine.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 
 # ---- front end -> engine core ----------------------------------------------------------------
 
@@ -100,3 +101,64 @@ class CoreFailed(msgspec.Struct, tag=True, array_like=True):
 
 
 CoreOutput = EngineCoreOutputs | UtilityResult | CoreReady | CoreFailed
+
+
+# ---- engine core <-> worker processes (tensor parallelism) --------------------------------------
+
+
+class StartWorker(msgspec.Struct, tag=True, array_like=True):
+    config: EngineConfig
+    model_dir: str
+    gguf_file: str | None = None
+
+
+class WorkerCall(msgspec.Struct, tag=True, array_like=True):
+    """Run the worker method `method` (plain values in and out) on every rank; each answers."""
+
+    method: str
+    args: list[Any] = []
+
+
+class ExecuteModel(msgspec.Struct, tag=True, array_like=True):
+    """One step on every rank; rank 0 answers with its sampled tokens."""
+
+    scheduler_output: SchedulerOutput
+
+
+WorkerInput = StartWorker | WorkerCall | ExecuteModel | Shutdown
+
+
+class WorkerReady(msgspec.Struct, tag=True, array_like=True):
+    rank: int
+    config: EngineConfig  # with the budgets resolved for the device
+    max_model_len: int
+    dtype: str
+    device: str
+    vocab_size: int
+
+
+class WorkerReply(msgspec.Struct, tag=True, array_like=True):
+    rank: int
+    result: Any = None
+    error: str | None = None  # the worker failed and is exiting
+
+
+class WorkerStepOutput(msgspec.Struct, tag=True, array_like=True):
+    output: ModelRunnerOutput
+
+
+WorkerOutput = WorkerReady | WorkerReply | WorkerStepOutput
+
+
+def encode_array(obj: Any) -> Any:
+    """msgspec's enc_hook for the numpy arrays a step carries (grammar bitmasks): dtype, shape, bytes."""
+    if isinstance(obj, np.ndarray):
+        return [obj.dtype.str, list(obj.shape), obj.tobytes()]
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def decode_array(kind: type, obj: Any) -> Any:
+    if kind is np.ndarray:
+        dtype, shape, data = obj
+        return np.frombuffer(data, dtype=dtype).reshape(shape)
+    raise NotImplementedError(f"cannot decode {kind.__name__}")

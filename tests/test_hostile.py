@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine import core
+from engine import processes
 from engine.async_llm import AsyncLLM
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from engine.input_processor import InputProcessor
@@ -105,11 +105,11 @@ def test_a_core_that_exits_before_connecting_fails_the_start(tiny_chat_model):
 
 
 def test_the_core_stays_when_its_front_end_is_pid_1(monkeypatch):
-    monkeypatch.setattr(core.ctypes, "CDLL", lambda *a, **k: SimpleNamespace(prctl=lambda *a: 0))
+    monkeypatch.setattr(processes.ctypes, "CDLL", lambda *a, **k: SimpleNamespace(prctl=lambda *a: 0))
     monkeypatch.setattr(os, "getppid", lambda: 1)
-    core._die_with_parent(1)  # a container's entrypoint: the front end really is pid 1
+    processes.die_with_parent(1)  # a container's entrypoint: the front end really is pid 1
     with pytest.raises(SystemExit):
-        core._die_with_parent(4242)  # reparented to init: the front end is gone
+        processes.die_with_parent(4242)  # reparented to init: the front end is gone
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from compiled import parallel
 from compiled.attention import (
     AttentionMetadata,
     DecodeAttention,
@@ -51,6 +52,8 @@ class ModelArgs:
     # Mistral-style local attention; sequences no longer than the window attend fully, so the runner
     # caps the context there rather than implementing the window.
     sliding_window: int | None = None
+    tp_rank: int = 0  # tensor parallelism: this process's part of every weight (compiled/parallel.py)
+    tp_size: int = 1
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelArgs:
@@ -187,8 +190,10 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        q_size, kv_size = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        split = parallel.Split.of(args)
+        self.n_heads, self.n_kv_heads, self.head_dim = split.heads, split.kv_heads, args.head_dim
+        self.tensor_parallel = args.tp_size > 1
+        q_size, kv_size = self.n_heads * args.head_dim, self.n_kv_heads * args.head_dim
         self.wqkv = Linear(args.dim, q_size + 2 * kv_size, bias=args.qkv_bias)
         self.wo = Linear(q_size, args.dim, bias=args.o_bias)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
@@ -210,18 +215,22 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, self.k_cache, self.v_cache, meta, self.head_dim**-0.5, self.decode_attention)
-        return self.wo(out.reshape(T, q_size), decode)
+        out = self.wo(out.reshape(T, q_size), decode)
+        return parallel.all_reduce(out) if self.tensor_parallel else out
 
 
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.w13 = Linear(args.dim, 2 * args.intermediate_size, bias=False)  # gate and up, fused
-        self.w2 = Linear(args.intermediate_size, args.dim, bias=False)
+        width = parallel.Split.of(args).intermediate
+        self.w13 = Linear(args.dim, 2 * width, bias=False)  # gate and up, fused
+        self.w2 = Linear(width, args.dim, bias=False)
+        self.tensor_parallel = args.tp_size > 1
 
     def forward(self, x: Tensor, decode: bool = False) -> Tensor:
         gate, up = self.w13(x, decode).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up, decode)
+        out = self.w2(F.silu(gate) * up, decode)
+        return parallel.all_reduce(out) if self.tensor_parallel else out
 
 
 class TransformerBlock(nn.Module):
@@ -241,10 +250,11 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.split = parallel.Split.of(args)
+        self.tok_embeddings = nn.Embedding(self.split.vocab, args.dim)  # this rank's rows of the vocabulary
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = Linear(args.dim, args.vocab_size, bias=False)
+        self.output = Linear(args.dim, self.split.vocab, bias=False)
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
@@ -263,19 +273,31 @@ class Transformer(nn.Module):
         """
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        h = self.tok_embeddings(input_ids)
+        h = self.embed(input_ids)
         cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
         for layer in self.layers:
             h = layer(h, cos, sin, meta) if block is None else block(layer, h, cos, sin, meta)
         return self.norm(h)
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """Logits of the sampled rows: at most one per sequence, a decode batch's worth."""
+    def embed(self, input_ids: Tensor) -> Tensor:
+        if self.args.tp_size == 1:
+            return self.tok_embeddings(input_ids)
+        # Each rank looks up the tokens its rows hold; the others' rows add zeros.
+        local = input_ids - self.split.vocab_start
+        mine = (local >= 0) & (local < self.split.vocab)
+        h = self.tok_embeddings(torch.where(mine, local, 0)).masked_fill(~mine[:, None], 0)
+        return parallel.all_reduce(h)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor | None:
+        """Logits of the sampled rows: at most one per sequence, a decode batch's worth. Under tensor
+        parallelism every rank computes its vocabulary shard and rank 0 gets them all (None elsewhere)."""
         if self.packed_output is not None and hidden.shape[0] > 1:
-            return torch.ops.mkldnn._linear_pointwise(
+            logits = torch.ops.mkldnn._linear_pointwise(
                 hidden.float(), self.packed_output, None, "none", [], ""
             )
-        return self.output(hidden, weight_left=True).float()
+        else:
+            logits = self.output(hidden, weight_left=True).float()
+        return logits if self.args.tp_size == 1 else parallel.gather_vocab(logits, self.args.vocab_size)
 
     def pack_output(self) -> None:
         """On CPU, LM heads of several rows run through oneDNN on a copy of the weight packed once, the
@@ -306,5 +328,5 @@ class Transformer(nn.Module):
     ) -> None:
         for layer in self.layers:
             layer.attention.k_cache, layer.attention.v_cache = new_kv_cache(
-                num_blocks, block_size, self.args.n_kv_heads, self.args.head_dim, device, dtype
+                num_blocks, block_size, self.split.kv_heads, self.args.head_dim, device, dtype
             )

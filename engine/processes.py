@@ -1,0 +1,27 @@
+"""What the processes kiln starts share: each dies with the process that started it."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import sys
+
+
+def die_with_parent(parent: int) -> None:
+    """Ask the kernel to SIGKILL us when our starter (pid `parent`) exits, however it exits: no orphans."""
+    PR_SET_PDEATHSIG = 1
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    # Reparented: the starter died before prctl took effect. (A front end may itself be pid 1.)
+    if os.getppid() != parent:
+        sys.exit(1)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now, for a rendezvous the caller starts right after."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

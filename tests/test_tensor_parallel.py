@@ -1,0 +1,186 @@
+"""Tensor parallelism on CPU (gloo): worker processes per rank, the same greedy tokens and prompt logits
+as one process, clear errors for models that do not split, and a dead worker failing the engine."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine import messages as m
+from engine.config import EngineConfig, tensor_parallel_error
+from engine.errors import EngineDeadError
+from engine.executor import MultiprocExecutor
+from engine.llm import LLM
+from engine.params import SamplingParams
+from engine.step import SchedulerOutput
+from tests.conftest import TINY, engine_core_children
+
+PROMPTS = [[(7 * i + 13 * j) % 300 + 3 for j in range(5 + 9 * i)] for i in range(8)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, prompt_logprobs=2)
+ENGINE = dict(dtype="float32", max_num_seqs=8, num_kv_blocks=128, max_num_batched_tokens=48)
+
+
+def make_model(path: Path, kind: str, tokenizer_dir: str) -> str:
+    """`split`: 2 KV heads split over 2 ranks (Llama, untied). `replicated`: 1 KV head on both ranks,
+    q/k/v biases and a tied vocabulary of 321 rows, padded to 2 x 161 (Qwen2). SmolLM2's tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    if kind == "split":
+        model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=False))
+    else:
+        cfg = dict(TINY, vocab_size=321, num_key_value_heads=1)
+        model = Qwen2ForCausalLM(Qwen2Config(**cfg, tie_word_embeddings=True))
+    for name, p in model.named_parameters():
+        if name.endswith("bias") or "norm" in name:
+            p.data.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    model.save_pretrained(path)
+    for f in Path(tokenizer_dir).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, path / f.name)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, smollm2_dir) -> dict[str, str]:
+    return {k: make_model(tmp_path_factory.mktemp(k), k, smollm2_dir) for k in ("split", "replicated")}
+
+
+@pytest.fixture(scope="module")
+def one_process(models) -> dict[str, list]:
+    """Each model's greedy outputs and prompt logprobs from one process (the reference)."""
+    return {}
+
+
+def run(model: str, **engine_args) -> list:
+    with LLM(model, **ENGINE, **engine_args) as llm:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert llm.get_stats()["kv_cache_usage"] == 0.0
+    return outs
+
+
+def assert_same(tp, one) -> None:
+    for a, b in zip(tp, one):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        got, want = a.prompt_logprobs[1:], b.prompt_logprobs[1:]
+        assert len(got) == len(want)
+        assert [[i for i, _ in g[1]] for g in got] == [[i for i, _ in w[1]] for w in want]  # the same top 2
+        flat = [[g[0], *(lp for _, lp in g[1])] for g in got], [[w[0], *(lp for _, lp in w[1])] for w in want]
+        np.testing.assert_allclose(*flat, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "kind, enforce_eager",
+    [("split", True), ("split", False), ("replicated", True)],
+    ids=["split-eager", "split-compiled", "replicated-eager"],
+)
+def test_two_ranks_match_one_process(models, one_process, kind, enforce_eager):
+    if kind not in one_process:
+        one_process[kind] = run(models[kind], enforce_eager=True)
+    assert_same(run(models[kind], enforce_eager=enforce_eager, tensor_parallel_size=2), one_process[kind])
+    assert not engine_core_children()
+
+
+@pytest.mark.slow
+def test_smollm2_on_three_ranks_is_token_exact_with_transformers(smollm2_dir, smollm2_hf):
+    """9 query heads and 3 KV heads, one of each 3 per rank; a vocabulary of 49,152 rows split in 3."""
+    from transformers import AutoTokenizer
+
+    from server.bench.driver import hf_greedy
+    from tests.test_llm import QUESTIONS, chat_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompts = [chat_ids(tokenizer, q) for q in QUESTIONS[:8]]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    with LLM(dtype="float32", enforce_eager=True, tensor_parallel_size=3, kv_cache_memory=1 << 27) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(smollm2_hf, prompt, 32)
+
+
+def test_models_that_do_not_split_are_refused_before_any_worker_starts(tmp_path, monkeypatch, smollm2_dir):
+    assert tensor_parallel_error(9, 3, 1536, 3) is None  # SmolLM2 on 3 ranks
+    assert tensor_parallel_error(8, 2, 64, 4) is None  # 2 KV heads, each replicated on 2 ranks
+    assert "attention heads" in tensor_parallel_error(9, 3, 1536, 2)
+    assert "key/value heads" in tensor_parallel_error(12, 3, 64, 4)
+    assert "MLP width" in tensor_parallel_error(4, 2, 130, 4)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**dict(TINY, num_attention_heads=2, num_key_value_heads=2))
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    for f in Path(smollm2_dir).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, tmp_path / f.name)
+    started = []
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a))
+    with pytest.raises(ValueError, match="2 attention heads cannot be divided among tensor_parallel_size=4"):
+        MultiprocExecutor(EngineConfig(tensor_parallel_size=4), str(tmp_path))
+    assert not started
+    monkeypatch.undo()
+    with pytest.raises(EngineDeadError, match="cannot be divided"):
+        LLM(str(tmp_path), tensor_parallel_size=4, enforce_eager=True)
+    assert not engine_core_children()
+
+
+def test_a_step_crosses_to_the_workers_intact():
+    bitmask = np.array([-1, 5, 1 << 30], dtype=np.int32)
+    so = SchedulerOutput(
+        num_scheduled_tokens={"a": 3}, total_num_scheduled_tokens=3, grammar_bitmasks={"a": bitmask}
+    )
+    import msgspec
+
+    frame = msgspec.msgpack.Encoder(enc_hook=m.encode_array).encode(m.ExecuteModel(so))
+    got = msgspec.msgpack.Decoder(m.WorkerInput, dec_hook=m.decode_array).decode(frame).scheduler_output
+    assert got.num_scheduled_tokens == {"a": 3} and got.finished_req_ids == set()
+    assert (
+        got.grammar_bitmasks["a"].dtype == np.int32 and got.grammar_bitmasks["a"].tolist() == bitmask.tolist()
+    )
+
+
+def workers_of(core: int) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if "compiled.worker" in cmd and ppid == core:
+            found.append(int(proc.name))
+    return found
+
+
+def test_a_dead_worker_fails_the_engine_and_leaves_no_process(models):
+    llm = LLM(models["split"], **ENGINE, enforce_eager=True, tensor_parallel_size=2)
+    (core,) = engine_core_children()
+    workers = workers_of(core)
+    assert len(workers) == 2
+    errors: list[BaseException] = []
+
+    def generate() -> None:
+        try:
+            llm.generate(PROMPTS, SamplingParams(max_tokens=400, ignore_eos=True), use_tqdm=False)
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    time.sleep(2)
+    os.kill(workers[1], signal.SIGKILL)
+    thread.join(timeout=30)
+    assert not thread.is_alive() and len(errors) == 1 and isinstance(errors[0], EngineDeadError)
+    assert "worker 1 exited unexpectedly" in str(errors[0])
+    llm.shutdown()
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in [core, *workers]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not engine_core_children() and not workers_of(core)

@@ -37,7 +37,7 @@ class Worker:
         device, size = resolve_device(config.device), config.tensor_parallel_size
         self.threads: CpuThreads | None = None  # follows the load unless the count was given
         if device.type == "cuda" and size > 1:
-            device = torch.device("cuda", rank)
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))  # torchrun: per host
             torch.cuda.set_device(device)
         elif device.type == "cpu" and size > 1:
             torch.set_num_threads(_share_cores(rank, size, config.num_threads))
@@ -138,8 +138,10 @@ def _share_cores(rank: int, size: int, num_threads: int | None) -> int:
 
 
 def main() -> None:
-    """A tensor-parallel rank's process: `python -m compiled.worker RANK INPUT OUTPUT PARENT_PID`, started by
-    the engine core's executor (engine/executor.py), whose calls it runs until told to shut down."""
+    """A tensor-parallel rank's process, which runs the executor's calls (engine/executor.py) until told
+    to stop: started by the engine core (`INPUT OUTPUT --rank R --parent PID`), or elsewhere by torchrun
+    (`--connect tcp://HOST:PORT`, the core's --worker-address; the rank from torchrun's RANK)."""
+    import argparse
     import logging
     import sys
 
@@ -148,8 +150,19 @@ def main() -> None:
     import engine.messages as m
     from engine.processes import die_with_parent
 
-    rank, parent = int(sys.argv[1]), int(sys.argv[4])
-    die_with_parent(parent)
+    parser = argparse.ArgumentParser(prog="python -m compiled.worker")
+    parser.add_argument("inputs", nargs="?")
+    parser.add_argument("outputs", nargs="?")
+    parser.add_argument("--rank", type=int, default=None)
+    parser.add_argument("--parent", type=int, default=None)
+    parser.add_argument("--connect", default=None, help="the engine core's --worker-address")
+    args = parser.parse_args()
+    if args.connect:
+        host, port = args.connect.removeprefix("tcp://").rsplit(":", 1)
+        args.inputs, args.outputs = f"tcp://{host}:{port}", f"tcp://{host}:{int(port) + 1}"
+    rank = int(os.environ["RANK"]) if args.rank is None else args.rank
+    if args.parent is not None:
+        die_with_parent(args.parent)
     logging.basicConfig(
         level=os.environ.get("KILN_LOG_LEVEL", "INFO") if rank == 0 else "WARNING",
         stream=sys.stderr,
@@ -157,14 +170,26 @@ def main() -> None:
         datefmt="%H:%M:%S",
     )
     ctx = zmq.Context()
-    inputs, outputs = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    inputs.connect(sys.argv[2])
-    outputs.connect(sys.argv[3])
+    inputs, outputs = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+    # A core elsewhere that goes away (however it ends) closes the connection: this worker ends with it.
+    gone = inputs.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    inputs.setsockopt(zmq.SUBSCRIBE, b"")
+    inputs.connect(args.inputs)
+    outputs.connect(args.outputs)
+    poller = zmq.Poller()
+    poller.register(inputs, zmq.POLLIN)
+    poller.register(gone, zmq.POLLIN)
     decoder = msgspec.msgpack.Decoder(m.WorkerInput, dec_hook=m.decode_array)
     encoder = msgspec.msgpack.Encoder()
     worker: Worker | None = None
     try:
-        while not isinstance(msg := decoder.decode(inputs.recv()), m.Shutdown):
+        while True:
+            if gone in dict(poller.poll()):
+                logging.getLogger("kiln.worker").error("worker %d: the engine core went away", rank)
+                sys.exit(1)
+            msg = decoder.decode(inputs.recv())
+            if isinstance(msg, m.Shutdown):
+                break
             if isinstance(msg, m.ExecuteModel):
                 out = worker.execute_model(msg.scheduler_output)
                 if rank == 0:
@@ -175,13 +200,10 @@ def main() -> None:
             else:
                 worker = Worker(msg.config, msg.model_dir, msg.gguf_file, rank)
                 r = worker.runner
-                outputs.send(
-                    encoder.encode(
-                        m.WorkerReady(
-                            rank, worker.config, r.max_model_len, worker.dtype, worker.device, r.vocab_size
-                        )
-                    )
+                ready = m.WorkerReady(
+                    rank, worker.config, r.max_model_len, worker.dtype, worker.device, r.vocab_size
                 )
+                outputs.send(encoder.encode(ready))
     except Exception as e:
         logging.getLogger("kiln.worker").exception("worker %d failed", rank)
         outputs.send(encoder.encode(m.WorkerReply(rank, error=f"{type(e).__name__}: {e}")))

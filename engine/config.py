@@ -6,6 +6,7 @@ from these fields (server/cli.py), so the flags and the config cannot drift apar
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, get_type_hints
 
 import msgspec
@@ -66,6 +67,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     tensor_parallel_size: Annotated[
         int, _help("worker processes the model is split across, one per device (CPU: the cores shared)")
     ] = 1
+    worker_address: Annotated[
+        str | None,
+        _help(
+            "tcp://HOST:PORT where the engine core waits for tensor-parallel workers started elsewhere "
+            "(torchrun ... -m compiled.worker --connect tcp://HOST:PORT; PORT+1 is used too), "
+            "instead of starting them itself"
+        ),
+    ] = None
     max_pending_requests: Annotated[
         int, _help("streaming front ends: requests held beyond max_num_seqs before more are refused (429)")
     ] = 4096
@@ -76,6 +85,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             (self.block_size in (8, 16, 32, 64, 128), "block_size", "must be one of 8, 16, 32, 64, 128"),
             (self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1"),
             (self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1"),
+            (
+                self.worker_address is None or re.fullmatch(r"tcp://[^:/]+:\d+", self.worker_address),
+                "worker_address",
+                "must be tcp://HOST:PORT",
+            ),
             (self.usage in ("offline", "serving"), "usage", "must be offline or serving"),
             (budget is None or budget >= 1, "max_num_batched_tokens", "must be at least 1"),
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be at least 2"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -30,6 +31,8 @@ from engine.step import ModelRunnerOutput, SchedulerOutput
 WORKER_CLASS = "compiled.worker.Worker"
 POLL_MS = 200  # how often a wait for workers checks that they all live
 
+logger = logging.getLogger("kiln.core")
+
 
 def import_worker_module() -> None:
     """Import the worker's module (torch, Dynamo, Inductor): seconds that can overlap other start-up work."""
@@ -37,7 +40,7 @@ def import_worker_module() -> None:
 
 
 def make_executor(config: EngineConfig, model_dir: str, gguf_file: str | None = None) -> Executor:
-    if config.tensor_parallel_size == 1:
+    if config.tensor_parallel_size == 1 and not config.worker_address:
         return Executor(config, model_dir, gguf_file)
     return MultiprocExecutor(config, model_dir, gguf_file)
 
@@ -86,7 +89,7 @@ class MultiprocExecutor(Executor):
     engine core (RuntimeError), which takes the other workers with it: each dies with the core."""
 
     def __init__(self, config: EngineConfig, model_dir: str, gguf_file: str | None = None) -> None:
-        size = config.tensor_parallel_size
+        self.size = size = config.tensor_parallel_size
         hf_config = Path(model_dir) / "config.json"
         if hf_config.exists():  # a GGUF's first start has none yet: its workers check after converting
             c = json.loads(hf_config.read_text())
@@ -96,38 +99,37 @@ class MultiprocExecutor(Executor):
             )
             if error:
                 raise ValueError(f"{model_dir} cannot run tensor-parallel: {error}")
-        self.ipc_dir = tempfile.mkdtemp(prefix="kiln-workers-")
         self.ctx = zmq.Context()
         self.ctx.setsockopt(zmq.LINGER, 0)
+        # Every call goes to every rank alike: one XPUB socket, which reports each worker's subscription,
+        # so nothing is sent before all of them listen. Answers come back on one PULL socket.
+        self.inputs = self.ctx.socket(zmq.XPUB)
+        self.inputs.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.replies = self.ctx.socket(zmq.PULL)
-        self.replies.bind(f"ipc://{self.ipc_dir}/out")
+        self.ipc_dir, self.procs = None, []
+        if config.worker_address:  # workers started elsewhere (torchrun) connect to these
+            host, port = config.worker_address.removeprefix("tcp://").rsplit(":", 1)
+            in_addr, out_addr = f"tcp://{host}:{port}", f"tcp://{host}:{int(port) + 1}"
+            self.inputs.setsockopt(zmq.LINGER, 2000)  # the last Shutdown still reaches them as we stop
+        else:
+            self.ipc_dir = tempfile.mkdtemp(prefix="kiln-workers-")
+            in_addr, out_addr = f"ipc://{self.ipc_dir}/in", f"ipc://{self.ipc_dir}/out"
+        self.inputs.bind(in_addr)
+        self.replies.bind(out_addr)
         self.encoder = msgspec.msgpack.Encoder(enc_hook=m.encode_array)
         self.decoder = msgspec.msgpack.Decoder(m.WorkerOutput)
-        # torch.distributed's rendezvous: as the environment gives it (torchrun, a user), else a free port.
-        env = dict(os.environ)
-        env.setdefault("MASTER_ADDR", "127.0.0.1")
-        env.setdefault("MASTER_PORT", str(free_port(env["MASTER_ADDR"])))
-        self.inputs, self.procs = [], []
-        for rank in range(size):
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.bind(f"ipc://{self.ipc_dir}/in{rank}")
-            self.inputs.append(sock)
-            self.procs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "compiled.worker",
-                        str(rank),
-                        f"ipc://{self.ipc_dir}/in{rank}",
-                        f"ipc://{self.ipc_dir}/out",
-                        str(os.getpid()),
-                    ],
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                )
-            )
+        if not config.worker_address:
+            # torch.distributed's rendezvous: as the environment gives it, else a free port here.
+            env = dict(os.environ)
+            env.setdefault("MASTER_ADDR", "127.0.0.1")
+            env.setdefault("MASTER_PORT", str(free_port(env["MASTER_ADDR"])))
+            cmd = [sys.executable, "-m", "compiled.worker", in_addr, out_addr, "--parent", str(os.getpid())]
+            self.procs = [
+                subprocess.Popen([*cmd, "--rank", str(r)], env=env, stdin=subprocess.DEVNULL)
+                for r in range(size)
+            ]
         try:
+            self._wait_subscribed(size, config.worker_address)
             self._send(m.StartWorker(config, model_dir, gguf_file))
             ready = self._wait(m.WorkerReady, size)[0]
         except BaseException:
@@ -136,15 +138,25 @@ class MultiprocExecutor(Executor):
         self.config, self.max_model_len, self.vocab_size = ready.config, ready.max_model_len, ready.vocab_size
         self.dtype, self.device = ready.dtype, ready.device
 
+    def _wait_subscribed(self, size: int, address: str | None) -> None:
+        if address:
+            logger.info(
+                "waiting for %d workers at %s (python -m compiled.worker --connect %s)",
+                size,
+                address,
+                address,
+            )
+        subscribed = 0
+        while subscribed < size:
+            if self.inputs.poll(POLL_MS):
+                subscribed += self.inputs.recv()[:1] == b"\x01"
+            self._check_alive()
+
     def _send(self, msg: m.WorkerInput) -> None:
-        """`msg` to every rank; a PUSH socket waits for its worker to connect, so wait only while it lives."""
-        frame = self.encoder.encode(msg)
-        for sock in self.inputs:
-            while not sock.poll(POLL_MS, zmq.POLLOUT):
-                self._check_alive()
-            sock.send(frame, copy=False, flags=zmq.NOBLOCK)
+        self.inputs.send(self.encoder.encode(msg), copy=False)
 
     def _check_alive(self, but: int | None = None) -> None:
+        """Workers started here that exited; those started elsewhere fail through their peers' collectives."""
         for rank, proc in enumerate(self.procs):
             if rank != but and proc.poll() is not None:
                 raise RuntimeError(f"worker {rank} exited unexpectedly (exit code {proc.returncode})")
@@ -172,7 +184,7 @@ class MultiprocExecutor(Executor):
 
     def _call(self, method: str, *args: Any) -> Any:
         self._send(m.WorkerCall(method, list(args)))
-        results = [r.result for r in self._wait(m.WorkerReply, len(self.procs))]
+        results = [r.result for r in self._wait(m.WorkerReply, self.size)]
         return min(results) if method == "determine_num_blocks" else results[0]
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -180,11 +192,9 @@ class MultiprocExecutor(Executor):
         return self._wait(m.WorkerStepOutput, 1)[0].output
 
     def shutdown(self) -> None:
-        """Ask every worker to stop, then make sure it has; safe to call more than once."""
-        frame = self.encoder.encode(m.Shutdown())
-        for sock in self.inputs:
-            with contextlib.suppress(zmq.ZMQError):
-                sock.send(frame, flags=zmq.NOBLOCK)
+        """Ask every worker to stop, then make sure those started here have; safe to call more than once."""
+        with contextlib.suppress(zmq.ZMQError):
+            self._send(m.Shutdown())
         for proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)
@@ -192,4 +202,5 @@ class MultiprocExecutor(Executor):
                 proc.kill()
                 proc.wait()
         self.ctx.destroy()
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        if self.ipc_dir:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from compiled import guard_free, quant
+from compiled import guard_free, parallel, quant
 from compiled.attention import AttentionMetadata, write_kv
 from compiled.input_batch import InputBatch
 from compiled.models.llama import Transformer, TransformerBlock
@@ -105,9 +105,9 @@ class CompilePolicy:
             triton = torch._inductor.config.triton
             if hasattr(triton, "cudagraph_dynamic_shape_warn_limit"):
                 triton.cudagraph_dynamic_shape_warn_limit = None
-        elif guard_free.supported() and model.args.tp_size == 1:
-            # Under tensor parallelism the direct call crashed in Inductor's module (a collective in the
-            # graph): those layers keep Dynamo's guarded calls.
+        elif guard_free.supported() and not (model.args.tp_size > 1 and parallel.through_gloo()):
+            # Called directly, Inductor's module crashed on a functional collective (gloo): those layers
+            # keep Dynamo's guarded calls. The shared-memory all-reduce is a plain custom op.
             self.decode_forward = self._decode_guard_free
 
     def mark_kv_cache(self, caches: list[Tensor]) -> None:

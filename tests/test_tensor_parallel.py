@@ -189,7 +189,8 @@ def test_a_dead_worker_fails_the_engine_and_leaves_no_process(models):
 
 def test_workers_that_torchrun_starts_on_two_hosts(models, one_process):
     """Two torchrun agents on loopback stand for two hosts, one rank each; the engine core waits for
-    them at its worker address, and they exit once it shuts down."""
+    them at its worker address, and they exit once it shuts down. As on two hosts, the ranks talk
+    through gloo, not shared memory."""
     from engine.processes import free_port
 
     address = f"tcp://127.0.0.1:{free_port()}"
@@ -197,7 +198,8 @@ def test_workers_that_torchrun_starts_on_two_hosts(models, one_process):
     rendezvous = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     hosts = [
         subprocess.Popen(
-            [*torchrun, "--node-rank", str(i), *rendezvous, "-m", "compiled.worker", "--connect", address]
+            [*torchrun, "--node-rank", str(i), *rendezvous, "-m", "compiled.worker", "--connect", address],
+            env=dict(os.environ, KILN_SHM_COLLECTIVES="0"),
         )
         for i in range(2)
     ]

@@ -1,0 +1,74 @@
+"""Tensor-parallel collectives through shared memory, for ranks on one CPU host.
+
+gloo's all-reduce of one hidden state took 2.2 ms between two processes on two cores, and a decode
+step makes two per layer; writing each rank's tensor to a shared-memory slot and waiting for the others'
+took 61 µs (BENCHMARKS.md). One primitive serves all three collectives a step needs: every rank publishes
+its tensor and reads everyone's (an all-gather), then sums them, joins them or takes rank 0's.
+
+Layout: a header of per-rank sequence numbers, then two banks of one slot per rank. A call bumps the
+rank's sequence, writes its slot in bank `seq % 2`, publishes the sequence and waits until every rank
+has published it. Invariant: a rank writes a bank only after every rank has published the call after
+that bank's last use, so no slot is overwritten while someone still reads it. Stores and loads stay in
+program order on x86 (TSO), which the flags rely on: other machines keep gloo.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import time
+
+import numpy as np
+import torch
+from torch import Tensor
+
+SLOT_BYTES = 4 << 20  # larger tensors (long prefill chunks, many rows of prompt logits) go through gloo
+HEADER = 4096
+SPINS_BEFORE_YIELD = 64  # past this a waiting rank yields its core: more ranks than cores must all run
+TIMEOUT_S = 600.0
+
+
+def supported() -> bool:
+    """x86 with /dev/shm, unless KILN_SHM_COLLECTIVES=0 asks for gloo."""
+    wanted = os.environ.get("KILN_SHM_COLLECTIVES", "1") != "0"
+    return wanted and platform.machine() in ("x86_64", "AMD64") and os.path.isdir("/dev/shm")
+
+
+def file_bytes(size: int) -> int:
+    return HEADER + 2 * size * SLOT_BYTES
+
+
+class ShmExchange:
+    def __init__(self, rank: int, size: int, path: str) -> None:
+        self.rank, self.size, self.seq = rank, size, 0
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self.map = mmap.mmap(fd, file_bytes(size))
+        finally:
+            os.close(fd)
+        self.flags = np.frombuffer(self.map, dtype=np.int64, count=size)
+        self.banks = torch.frombuffer(self.map, dtype=torch.uint8, offset=HEADER, count=2 * size * SLOT_BYTES)
+        self.banks = self.banks.view(2, size, SLOT_BYTES)
+
+    def fits(self, x: Tensor) -> bool:
+        return x.numel() * x.element_size() <= SLOT_BYTES
+
+    def all_gather(self, x: Tensor) -> Tensor:
+        """[size, *x.shape]: every rank's `x`, a view of shared memory valid until this rank's next call."""
+        self.seq += 1
+        bank, n = self.banks[self.seq % 2], x.numel() * x.element_size()
+        bank[self.rank, :n].copy_(x.contiguous().view(-1).view(torch.uint8))
+        self.flags[self.rank] = self.seq
+        spins, deadline = 0, time.monotonic() + TIMEOUT_S
+        while self.flags.min() < self.seq:
+            spins += 1
+            if spins > SPINS_BEFORE_YIELD:
+                os.sched_yield()
+                if spins % 4096 == 0 and time.monotonic() > deadline:
+                    raise RuntimeError(f"tensor-parallel peers did not arrive within {TIMEOUT_S:.0f} s")
+        return bank[:, :n].view(x.dtype).view(self.size, *x.shape)
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        parts = self.all_gather(x)  # every rank adds the same parts in the same order: equal sums
+        return parts.sum(0) if x.dtype == torch.float32 else parts.float().sum(0).to(x.dtype)

@@ -39,7 +39,7 @@ class ModelRunner:
         """`config.model` is an HF directory (`gguf_path` the file it came from, if any); `config`'s
         budgets are resolved for `device`. Under tensor parallelism this is rank `rank`'s runner: every
         rank runs each step, rank 0 samples and hands its tokens to the others."""
-        self.config, self.device, self.dtype, self.rank = config, device, dtype, rank
+        self.config, self.device, self.dtype = config, device, dtype
         self.tensor_parallel = config.tensor_parallel_size > 1
         start = time.perf_counter()
         self.model = load_model(

@@ -114,13 +114,13 @@ def all_reduce(x: Tensor) -> Tensor:
 
 def gather_vocab(local: Tensor, vocab_size: int) -> Tensor | None:
     """Every rank's vocabulary shard of the logits, [S, V / size] each, joined on rank 0 (None elsewhere)."""
-    rank = dist.get_rank(_group)
+    first = dist.get_rank(_group) == 0
     if _shm is not None and _shm.fits(local):
-        parts = _shm.all_gather(local)
-        return torch.cat(list(parts), dim=-1)[:, :vocab_size] if rank == 0 else None
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(_group))] if rank == 0 else None
-    dist.gather(local.contiguous(), parts, dst=0, group=_group)
-    return torch.cat(parts, dim=-1)[:, :vocab_size] if parts is not None else None
+        parts = list(_shm.all_gather(local))
+    else:
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(_group))] if first else None
+        dist.gather(local.contiguous(), parts, dst=0, group=_group)
+    return torch.cat(parts, dim=-1)[:, :vocab_size] if first else None
 
 
 def broadcast(t: Tensor) -> Tensor:

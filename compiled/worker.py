@@ -148,7 +148,7 @@ def main() -> None:
     import zmq
 
     import engine.messages as m
-    from engine.processes import die_with_parent
+    from engine.processes import die_with_parent, worker_sockets
 
     parser = argparse.ArgumentParser(prog="python -m compiled.worker")
     parser.add_argument("inputs", nargs="?")
@@ -158,8 +158,7 @@ def main() -> None:
     parser.add_argument("--connect", default=None, help="the engine core's --worker-address")
     args = parser.parse_args()
     if args.connect:
-        host, port = args.connect.removeprefix("tcp://").rsplit(":", 1)
-        args.inputs, args.outputs = f"tcp://{host}:{port}", f"tcp://{host}:{int(port) + 1}"
+        args.inputs, args.outputs = worker_sockets(args.connect)
     rank = int(os.environ["RANK"]) if args.rank is None else args.rank
     if args.parent is not None:
         die_with_parent(args.parent)

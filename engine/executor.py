@@ -25,7 +25,7 @@ import zmq
 
 from engine import messages as m
 from engine.config import EngineConfig, tensor_parallel_error
-from engine.processes import free_port
+from engine.processes import free_port, worker_sockets
 from engine.step import ModelRunnerOutput, SchedulerOutput
 
 WORKER_CLASS = "compiled.worker.Worker"
@@ -59,7 +59,7 @@ class Executor:
 
     def initialize(self) -> int:
         """Size and allocate the KV cache, then compile and warm up; returns the number of KV blocks."""
-        num_blocks = self._call("determine_num_blocks")
+        num_blocks = min(self._call("determine_num_blocks"))  # every rank's cache holds them
         bs = self.config.block_size
         held = (num_blocks - 1) * bs  # block 0 is the null block
         if held < self.max_model_len:
@@ -73,8 +73,9 @@ class Executor:
         self._call("warm_up")
         return num_blocks
 
-    def _call(self, method: str, *args: Any) -> Any:
-        return getattr(self.worker, method)(*args)
+    def _call(self, method: str, *args: Any) -> list:
+        """`method`'s answer from every worker, in rank order."""
+        return [getattr(self.worker, method)(*args)]
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(so)
@@ -84,8 +85,8 @@ class Executor:
 
 
 class MultiprocExecutor(Executor):
-    """One worker process per tensor-parallel rank, each sent every call; a call's answer is every rank's
-    (the smallest KV-cache size), a step's is rank 0's tokens. A worker that fails or exits fails the
+    """One worker process per tensor-parallel rank, each sent every call; a call's answer is every rank's,
+    a step's is rank 0's tokens. A worker that fails or exits fails the
     engine core (RuntimeError), which takes the other workers with it: each dies with the core."""
 
     def __init__(self, config: EngineConfig, model_dir: str, gguf_file: str | None = None) -> None:
@@ -108,8 +109,7 @@ class MultiprocExecutor(Executor):
         self.replies = self.ctx.socket(zmq.PULL)
         self.ipc_dir, self.procs = None, []
         if config.worker_address:  # workers started elsewhere (torchrun) connect to these
-            host, port = config.worker_address.removeprefix("tcp://").rsplit(":", 1)
-            in_addr, out_addr = f"tcp://{host}:{port}", f"tcp://{host}:{int(port) + 1}"
+            in_addr, out_addr = worker_sockets(config.worker_address)
             self.inputs.setsockopt(zmq.LINGER, 2000)  # the last Shutdown still reaches them as we stop
         else:
             self.ipc_dir = tempfile.mkdtemp(prefix="kiln-workers-")
@@ -182,10 +182,9 @@ class MultiprocExecutor(Executor):
             got.append(msg)
         return sorted(got, key=lambda r: getattr(r, "rank", 0))
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _call(self, method: str, *args: Any) -> list:
         self._send(m.WorkerCall(method, list(args)))
-        results = [r.result for r in self._wait(m.WorkerReply, self.size)]
-        return min(results) if method == "determine_num_blocks" else results[0]
+        return [r.result for r in self._wait(m.WorkerReply, self.size)]
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._send(m.ExecuteModel(so))

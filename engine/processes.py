@@ -20,6 +20,13 @@ def die_with_parent(parent: int) -> None:
         sys.exit(1)
 
 
+def worker_sockets(address: str) -> tuple[str, str]:
+    """The engine core's two sockets for workers at `address` (tcp://HOST:PORT): calls on PORT, answers
+    on PORT + 1."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    return f"tcp://{host}:{port}", f"tcp://{host}:{int(port) + 1}"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nothing listens on now, for a rendezvous the caller starts right after."""
     with socket.socket() as s:

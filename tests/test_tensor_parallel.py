@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -137,8 +138,6 @@ def test_a_step_crosses_to_the_workers_intact():
     so = SchedulerOutput(
         num_scheduled_tokens={"a": 3}, total_num_scheduled_tokens=3, grammar_bitmasks={"a": bitmask}
     )
-    import msgspec
-
     frame = msgspec.msgpack.Encoder(enc_hook=m.encode_array).encode(m.ExecuteModel(so))
     got = msgspec.msgpack.Decoder(m.WorkerInput, dec_hook=m.decode_array).decode(frame).scheduler_output
     assert got.num_scheduled_tokens == {"a": 3} and got.finished_req_ids == set()

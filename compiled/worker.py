@@ -35,12 +35,14 @@ class Worker:
         self, config: EngineConfig, model_dir: str, gguf_file: str | None = None, rank: int = 0
     ) -> None:
         device, size = resolve_device(config.device), config.tensor_parallel_size
+        # This host's workers, over every data-parallel engine core, share its devices or cores.
+        share, shares = config.data_parallel_rank * size + rank, config.data_parallel_size * size
         self.threads: CpuThreads | None = None  # follows the load unless the count was given
-        if device.type == "cuda" and size > 1:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))  # torchrun: per host
+        if device.type == "cuda" and shares > 1:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", share)))  # torchrun: per host
             torch.cuda.set_device(device)
-        elif device.type == "cpu" and size > 1:
-            torch.set_num_threads(_share_cores(rank, size, config.num_threads))
+        elif device.type == "cpu" and shares > 1:
+            torch.set_num_threads(_share_cores(share, shares, config.num_threads))
         elif device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
         elif device.type == "cpu":
@@ -87,8 +89,9 @@ class Worker:
         elif r.device.type == "cuda":
             budget = self._cuda_kv_budget()
         else:
-            # Every rank of a CPU's tensor-parallel group allocates its cache from the same RAM.
-            budget = int(_available_ram() * c.cpu_kv_cache_fraction) // c.tensor_parallel_size
+            # Every rank of every engine core on a CPU allocates its cache from the same RAM.
+            shares = c.tensor_parallel_size * c.data_parallel_size
+            budget = int(_available_ram() * c.cpu_kv_cache_fraction) // shares
         useful = c.max_num_seqs * r.max_blocks_per_seq + 1
         num_blocks = min(budget // r.kv_bytes_per_block(), useful)
         if num_blocks < 2:
@@ -127,13 +130,13 @@ def _available_ram() -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
-def _share_cores(rank: int, size: int, num_threads: int | None) -> int:
-    """Rank `rank`'s threads: an equal share of the allowed cores (or of `num_threads`), pinned to cores
-    of its own where there are enough, so that no two ranks' threads take turns on one core."""
+def _share_cores(share: int, shares: int, num_threads: int | None) -> int:
+    """Share `share`'s threads: an equal part of the allowed cores (or of `num_threads`), pinned to cores
+    of its own where there are enough, so that no two shares' threads take turns on one core."""
     cores = sorted(os.sched_getaffinity(0))
-    threads = max(1, (num_threads or len(cores)) // size)
-    if len(cores) >= size * threads:
-        os.sched_setaffinity(0, cores[rank * threads : (rank + 1) * threads])
+    threads = max(1, (num_threads or len(cores)) // shares)
+    if len(cores) >= shares * threads:
+        os.sched_setaffinity(0, cores[share * threads : (share + 1) * threads])
     return threads
 
 

@@ -114,13 +114,20 @@ class AsyncLLM(FrontEnd):
             self.client.check_alive()
         return self.client.dead
 
+    @property
+    def dead_cores(self) -> list[str]:
+        """Why each dead data-parallel core died (the others go on serving)."""
+        return [core.dead for core in self.client.cores if core.dead]
+
     def _ensure_reader(self) -> None:
         # One reader per event loop: a task on a loop that no longer runs would deliver nothing.
         loop = asyncio.get_running_loop()
         if self._reader is None or self._reader.done() or self._reader.get_loop() is not loop:
             if self._reader is not None and not self._reader.done():
                 self._reader.cancel()
-            self._reader = loop.create_task(self.client.run_reader(self._on_outputs, self._on_dead))
+            self._reader = loop.create_task(
+                self.client.run_reader(self._on_outputs, self._on_lost, self._on_dead)
+            )
 
     async def _on_outputs(self, outputs) -> None:
         for start in range(0, len(outputs), OUTPUT_CHUNK):
@@ -132,6 +139,14 @@ class AsyncLLM(FrontEnd):
                 queue = self.queues.get(out.request_id)
                 if queue is not None:
                     queue.put(out)
+
+    def _on_lost(self, message: str, core_ids: list[str]) -> None:
+        """A data-parallel core died: end the requests it held; the other cores serve on."""
+        for rid in {self.output_processor.core_to_request.get(cid) for cid in core_ids} - {None}:
+            self.output_processor.abort(rid)
+            queue = self.queues.get(rid)
+            if queue is not None:
+                queue.put(EngineDeadError(message))
 
     def _on_dead(self, message: str) -> None:
         logger.error("engine core died: %s", message)
@@ -157,8 +172,7 @@ class AsyncLLM(FrontEnd):
         self.output_processor.add_request(prompt)  # a request id in use fails here, touching nothing
         stream = RequestStream(self, prompt.request_id)
         try:
-            for req in prompt.core_requests:
-                self.client.add_request(req)
+            self.client.add_requests(prompt.core_requests)
         except BaseException:
             stream.close()
             raise
@@ -201,11 +215,12 @@ class AsyncLLM(FrontEnd):
 
     async def get_stats(self) -> dict:
         self._ensure_reader()
-        return await self.client.call_utility("stats")
+        return self.merge_stats(await self.client.call_utility("stats"))
 
     async def reset_prefix_cache(self) -> bool:
         self._ensure_reader()
-        return await self.client.call_utility("reset_prefix_cache")
+        self.client.coordinator.reset_prefixes()
+        return all((await self.client.call_utility("reset_prefix_cache")).values())
 
     def shutdown(self) -> None:
         if getattr(self, "_reader", None) is not None:

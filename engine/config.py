@@ -75,6 +75,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             "instead of starting them itself"
         ),
     ] = None
+    data_parallel_size: Annotated[
+        int,
+        _help(
+            "engine cores, each a model replica with its own scheduler, behind one front end "
+            "(CPU: the cores shared)"
+        ),
+    ] = 1
+    data_parallel_rank: int = 0  # which of this host's engine cores: its share of the cores or devices
     max_pending_requests: Annotated[
         int, _help("streaming front ends: requests held beyond max_num_seqs before more are refused (429)")
     ] = 4096
@@ -85,6 +93,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             (self.block_size in (8, 16, 32, 64, 128), "block_size", "must be one of 8, 16, 32, 64, 128"),
             (self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1"),
             (self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1"),
+            (self.data_parallel_size >= 1, "data_parallel_size", "must be at least 1"),
             (
                 self.worker_address is None or re.fullmatch(r"tcp://[^:/]+:\d+", self.worker_address),
                 "worker_address",

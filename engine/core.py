@@ -77,9 +77,11 @@ class EngineCore:
         self._tokens = [0, 0]  # prompt, generation tokens since the last stats line
         self._last_stats = time.monotonic()
 
-    def ready_message(self) -> CoreReady:
+    def ready_message(self, engine_index: int) -> CoreReady:
         e = self.executor
-        return CoreReady(self.config, self.num_blocks, e.max_model_len, e.dtype, e.device, e.vocab_size)
+        return CoreReady(
+            self.config, self.num_blocks, e.max_model_len, e.dtype, e.device, e.vocab_size, engine_index
+        )
 
     def add_request(self, req: EngineCoreRequest) -> EngineCoreOutput | None:
         """Queue a request; one that can never run is finished at once ("abort", why in stop_reason)."""
@@ -161,6 +163,7 @@ class EngineCoreProc:
         self.decoder = msgspec.msgpack.Decoder(CoreInput)
         self.encoder = msgspec.msgpack.Encoder()
         self.core: EngineCore | None = None
+        self.engine_index = 0
 
     def send(self, msg) -> None:
         self.output.send(self.encoder.encode(msg), copy=False)
@@ -171,12 +174,13 @@ class EngineCoreProc:
             start = self.decoder.decode(self.input.recv())
             if not isinstance(start, StartCore):
                 raise RuntimeError(f"expected StartCore first, got {type(start).__name__}")
+            self.engine_index = start.engine_index
             self.core = EngineCore(start.config, start.model_dir, start.gguf_file)
         except Exception as e:
             logger.exception("engine core failed to start")
-            self.send(CoreFailed(f"engine core failed to start: {type(e).__name__}: {e}"))
+            self.send(CoreFailed(f"engine core failed to start: {type(e).__name__}: {e}", self.engine_index))
             raise
-        self.send(self.core.ready_message())
+        self.send(self.core.ready_message(self.engine_index))
         try:
             while True:
                 busy = self.core.scheduler.has_unfinished_requests()
@@ -185,10 +189,10 @@ class EngineCoreProc:
                     return
                 outputs = self.core.step()
                 if outputs:
-                    self.send(EngineCoreOutputs(outputs))
+                    self._send_outputs(outputs)
         except Exception as e:
             logger.exception("engine core failed")
-            self.send(CoreFailed(f"engine core failed: {type(e).__name__}: {e}"))
+            self.send(CoreFailed(f"engine core failed: {type(e).__name__}: {e}", self.engine_index))
             raise
         finally:
             self.core.executor.shutdown()
@@ -215,16 +219,25 @@ class EngineCoreProc:
             elif isinstance(msg, Shutdown):
                 return False
         if outputs:
-            self.send(EngineCoreOutputs(outputs))
+            self._send_outputs(outputs)
         return True
+
+    def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        usage = self.core.scheduler.kv_cache_manager.usage
+        self.send(EngineCoreOutputs(outputs, self.engine_index, usage))
 
     def _utility(self, call: UtilityCall) -> UtilityResult:
         if call.method not in EngineCore.UTILITIES:
-            return UtilityResult(call.call_id, error=f"unknown utility {call.method!r}")
+            return UtilityResult(
+                call.call_id, error=f"unknown utility {call.method!r}", engine_index=self.engine_index
+            )
         try:
-            return UtilityResult(call.call_id, getattr(self.core, call.method)(*call.args))
+            result = getattr(self.core, call.method)(*call.args)
+            return UtilityResult(call.call_id, result, engine_index=self.engine_index)
         except Exception as e:  # a failed utility call must not take the engine down
-            return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
+            return UtilityResult(
+                call.call_id, error=f"{type(e).__name__}: {e}", engine_index=self.engine_index
+            )
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""The front end's side of the engine-core IPC: start the core process, send inputs, receive outputs.
+"""The front end's side of the engine-core IPC: start the core processes, send inputs, receive outputs.
 
 Transport: zmq PUSH/PULL over ipc:// sockets. Chosen over multiprocessing connections because
 pyzmq has native asyncio sockets (the server's client needs no thread), queues in both directions
@@ -27,50 +27,77 @@ import zmq.asyncio
 
 from engine import messages as m
 from engine.config import EngineConfig
+from engine.coordinator import Coordinator
 from engine.errors import EngineDeadError
 
 logger = logging.getLogger("kiln")
 POLL_MS = 200  # how often a waiting client checks that the core process is alive
 
 
-class CoreClient:
-    """Starts the core process and owns the two sockets; subclasses add sync or async receiving."""
+class CoreProcess:
+    """One engine core as the front end sees it: its process, the socket its inputs go out on, and
+    whether it is ready or dead."""
 
-    def __init__(self) -> None:
-        """Start the core process and return at once: it imports torch while we get the model ready.
-        Then `start` sends it the model and `wait_ready` waits for its warm-up."""
-        self.ipc_dir = tempfile.mkdtemp(prefix="kiln-")
-        in_addr, out_addr = f"ipc://{self.ipc_dir}/in", f"ipc://{self.ipc_dir}/out"
-        self.ctx = zmq.Context()
-        self.ctx.setsockopt(zmq.LINGER, 0)  # closing never waits for unsent messages
-        self.input = self.ctx.socket(zmq.PUSH)
+    def __init__(self, ctx: zmq.Context, index: int, in_addr: str, out_addr: str) -> None:
+        self.index = index
+        self.input = ctx.socket(zmq.PUSH)
         self.input.bind(in_addr)
-        self.output = self.ctx.socket(zmq.PULL)
-        self.output.bind(out_addr)
-        self.encoder = msgspec.msgpack.Encoder()
-        self.decoder = msgspec.msgpack.Decoder(m.CoreOutput)
-        self.dead: str | None = None
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "engine.core", in_addr, out_addr, str(os.getpid())],
             stdin=subprocess.DEVNULL,
         )
         self.ready: m.CoreReady | None = None
+        self.dead: str | None = None
+
+
+class CoreClient:
+    """Starts the engine cores (one per data-parallel rank) and owns their sockets: one input socket per
+    core, one output socket they all send to. Subclasses add sync or async receiving."""
+
+    # Whether one core's death ends the whole engine. LLM: a batch missing some outputs is of no use.
+    fail_together = True
+
+    def __init__(self, num_cores: int = 1) -> None:
+        """Start the core processes and return at once: they import torch while we get the model ready.
+        Then `start` sends them the model and `wait_ready` waits for their warm-up."""
+        self.ipc_dir = tempfile.mkdtemp(prefix="kiln-")
+        out_addr = f"ipc://{self.ipc_dir}/out"
+        self.ctx = zmq.Context()
+        self.ctx.setsockopt(zmq.LINGER, 0)  # closing never waits for unsent messages
+        self.output = self.ctx.socket(zmq.PULL)
+        self.output.bind(out_addr)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(m.CoreOutput)
+        self.dead: str | None = None
+        self.cores = [
+            CoreProcess(self.ctx, i, f"ipc://{self.ipc_dir}/in{i}", out_addr) for i in range(num_cores)
+        ]
+        self.ready: m.CoreReady | None = None  # the first core's; every core's budgets are the same
+        self.coordinator: Coordinator | None = None
+        self.lost: list[tuple[str, list[str]]] = []  # a dead core's message and requests, to fail
         self._call_ids = itertools.count()
         # Runs on shutdown, when the client is collected, or at interpreter exit, whichever comes first:
         # a script that falls off its end with the engine alive still exits.
-        self._finalizer = weakref.finalize(self, _release, self.proc, self.ctx, self.ipc_dir)
+        procs = [core.proc for core in self.cores]
+        self._finalizer = weakref.finalize(self, _release, procs, self.ctx, self.ipc_dir)
 
     def start(self, config: EngineConfig, model_dir: str, gguf_file: str | None = None) -> None:
-        self.send(m.StartCore(config, model_dir, gguf_file))
+        for core in self.cores:
+            rank_config = msgspec.structs.replace(config, data_parallel_rank=core.index)
+            self.send(core, m.StartCore(rank_config, model_dir, gguf_file, core.index))
 
-    def send(self, msg) -> None:
-        """Queue `msg` for the core. A PUSH socket blocks while no core is connected, so wait for room
+    def send(self, core: CoreProcess, msg) -> None:
+        """Queue `msg` for `core`. A PUSH socket blocks while no core is connected, so wait for room
         only while the core process lives: a core that exited (or never connected) is an error here."""
         self.check_alive()
+        if core.dead:
+            raise EngineDeadError(core.dead)
         frame = self.encoder.encode(msg)
-        while not self.input.poll(POLL_MS, zmq.POLLOUT):
+        while not core.input.poll(POLL_MS, zmq.POLLOUT):
             self.check_alive()
-        self.input.send(frame, copy=False, flags=zmq.NOBLOCK)
+            if core.dead:
+                raise EngineDeadError(core.dead)
+        core.input.send(frame, copy=False, flags=zmq.NOBLOCK)
 
     def wait_ready(self, timeout: float = 1800.0) -> m.CoreReady:
         deadline = time.monotonic() + timeout
@@ -78,54 +105,118 @@ class CoreClient:
             if self.output.poll(POLL_MS):
                 msg = self.decoder.decode(self.output.recv())
                 if isinstance(msg, m.CoreReady):
-                    self.ready = msg
-                    return msg
-                if isinstance(msg, m.CoreFailed):
-                    self._mark_dead(msg.message)
+                    self.cores[msg.engine_index].ready = msg
+                elif isinstance(msg, m.CoreFailed):
+                    self._core_died(self.cores[msg.engine_index], self._named(msg.engine_index, msg.message))
             self.check_alive()
+            if all(core.ready for core in self.cores):
+                self.ready = ready = self.cores[0].ready
+                blocks = [core.ready.num_kv_blocks for core in self.cores]
+                c = ready.config
+                self.coordinator = Coordinator(len(self.cores), c.block_size, c.max_num_seqs, blocks)
+                return ready
         self.shutdown()
         raise EngineDeadError(f"engine core did not become ready within {timeout:.0f} s")
 
     def check_alive(self) -> None:
-        if self.dead is None and self.proc.poll() is not None:
-            self._mark_dead(f"engine core process exited unexpectedly (exit code {self.proc.returncode})")
+        """EngineDeadError once the engine can serve nothing; a core found dead is taken out of service."""
+        for core in self.cores:
+            if core.dead is None and core.proc.poll() is not None:
+                code = core.proc.returncode
+                self._core_died(
+                    core, self._named(core.index, f"process exited unexpectedly (exit code {code})")
+                )
         if self.dead:
             raise EngineDeadError(self.dead)
 
+    def _named(self, index: int, message: str) -> str:
+        if message.startswith("engine core "):
+            message = message.removeprefix("engine core ")
+        return f"engine core {index} {message}" if len(self.cores) > 1 else f"engine core {message}"
+
+    def _core_died(self, core: CoreProcess, message: str) -> None:
+        core.dead = message
+        if self.coordinator is None or self.fail_together or all(c.dead for c in self.cores):
+            self._mark_dead(message)
+            return
+        logger.error("%s; the other engine cores go on serving", message)
+        _stop(core.proc)
+        self.lost.append((message, self.coordinator.core_died(core.index)))
+
     def _mark_dead(self, message: str) -> None:
+        for core in self.cores:
+            core.dead = core.dead or message  # a core stopped from here is not found dead again later
         self.dead = message
         self.shutdown()
 
-    def add_request(self, request: m.EngineCoreRequest) -> None:
-        self.send(request)
+    def add_requests(self, requests: list[m.EngineCoreRequest]) -> None:
+        """Send one prompt's requests (its n samples) to the core the coordinator picks for it."""
+        self.check_alive()
+        first = requests[0]
+        ids = [r.request_id for r in requests]
+        core = self.cores[self.coordinator.route(first.prompt_token_ids, first.cache_salt, ids)]
+        for request in requests:
+            self.send(core, request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids and not self.dead:
-            self.send(m.AbortRequests(list(request_ids)))
+        if not request_ids or self.dead:
+            return
+        for index, ids in self.coordinator.release(request_ids).items():
+            if not self.cores[index].dead:
+                self.send(self.cores[index], m.AbortRequests(ids))
 
-    def _utility_call(self, method: str, args: tuple) -> m.UtilityCall:
-        return m.UtilityCall(next(self._call_ids), method, list(args))
+    def _apply(self, msg) -> list[m.EngineCoreOutput]:
+        """Book a message from a core; return the request outputs it carries."""
+        if isinstance(msg, m.EngineCoreOutputs):
+            self.coordinator.release(o.request_id for o in msg.outputs if o.finished)
+            self.coordinator.kv_usage[msg.engine_index] = msg.kv_cache_usage
+            return msg.outputs
+        if isinstance(msg, m.CoreFailed):
+            core = self.cores[msg.engine_index]
+            if core.dead is None:
+                self._core_died(core, self._named(core.index, msg.message))
+        return []
+
+    def _send_utility(self, method: str, args: tuple) -> dict[int, int]:
+        """Ask every live core to run `method`; return the call ids and the core each went to."""
+        calls = {}
+        for core in self.cores:
+            if not core.dead:
+                call = m.UtilityCall(next(self._call_ids), method, list(args))
+                self.send(core, call)
+                calls[call.call_id] = core.index
+        return calls
 
     def shutdown(self) -> None:
-        """Stop the core process and release the sockets; safe to call more than once."""
-        if self.proc.poll() is None and self.ready is None:  # still starting: nothing to finish cleanly
-            self.proc.kill()
-            self.proc.wait()
-        if self.proc.poll() is None:
-            with contextlib.suppress(zmq.ZMQError, subprocess.TimeoutExpired):
-                self.input.send(self.encoder.encode(m.Shutdown()), flags=zmq.NOBLOCK)
-                self.proc.wait(timeout=5)
+        """Stop the core processes and release the sockets; safe to call more than once."""
+        stopping = []
+        for core in self.cores:
+            if core.proc.poll() is None and core.ready is None:  # still starting: nothing to finish cleanly
+                _stop(core.proc)
+            elif core.proc.poll() is None:
+                with contextlib.suppress(zmq.ZMQError):
+                    core.input.send(self.encoder.encode(m.Shutdown()), flags=zmq.NOBLOCK)
+                    stopping.append(core.proc)
+        deadline = time.monotonic() + 5
+        for proc in stopping:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
         self._finalizer()
         if self.dead is None:
             self.dead = "engine core was shut down"
 
 
-def _release(proc: subprocess.Popen, ctx: zmq.Context, ipc_dir: str) -> None:
-    """Stop the core process if it still runs (a clean stop is `shutdown`'s) and close every socket
-    without lingering."""
+def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.wait()
+
+
+def _release(procs: list[subprocess.Popen], ctx: zmq.Context, ipc_dir: str) -> None:
+    """Stop the core processes that still run (a clean stop is `shutdown`'s) and close every socket
+    without lingering."""
+    for proc in procs:
+        _stop(proc)
     if not ctx.closed:
         ctx.destroy(linger=0)
     shutil.rmtree(ipc_dir, ignore_errors=True)
@@ -152,49 +243,56 @@ class SyncCoreClient(CoreClient):
         return out
 
     def _receive(self, msg) -> None:
-        if isinstance(msg, m.EngineCoreOutputs):
-            self._pending.extend(msg.outputs)
-        elif isinstance(msg, m.UtilityResult):
+        if isinstance(msg, m.UtilityResult):
             self._results[msg.call_id] = msg
-        elif isinstance(msg, m.CoreFailed):
-            self._mark_dead(msg.message)
+        else:
+            self._pending.extend(self._apply(msg))
 
-    def call_utility(self, method: str, *args) -> Any:
-        call = self._utility_call(method, args)
-        self.send(call)
-        while call.call_id not in self._results:
+    def call_utility(self, method: str, *args) -> dict[int, Any]:
+        """Run `method` on every core; return each core's result by its index."""
+        calls = self._send_utility(method, args)
+        while not calls.keys() <= self._results.keys():
             self.check_alive()
             if self.output.poll(POLL_MS):
                 self._receive(self.decoder.decode(self.output.recv()))
-        result = self._results.pop(call.call_id)
-        if result.error:
-            raise RuntimeError(result.error)
-        return result.result
+        results = {}
+        for call_id, index in calls.items():
+            result = self._results.pop(call_id)
+            if result.error:
+                raise RuntimeError(result.error)
+            results[index] = result.result
+        return results
 
 
 class AsyncCoreClient(CoreClient):
-    """asyncio receive, for the server: one reader task hands outputs to `on_outputs`."""
+    """asyncio receive, for the server: one reader task hands outputs to `on_outputs`. One core's death
+    fails only the requests it held (`on_lost`); the engine is dead once every core is."""
+
+    fail_together = False
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.aoutput = zmq.asyncio.Socket.from_socket(self.output)
-        self._futures: dict[int, asyncio.Future] = {}
+        self._calls: dict[int, tuple[int, asyncio.Future]] = {}  # call id -> core index, its result
 
-    async def run_reader(self, on_outputs, on_dead) -> None:
-        """Deliver outputs until the core dies or shuts down; then call on_dead(message) once."""
+    async def run_reader(self, on_outputs, on_lost, on_dead) -> None:
+        """Deliver outputs until every core has died or the engine shuts down; hand each dead core's
+        requests to on_lost(message, core request ids), then call on_dead(message) once at the end."""
         try:
             while True:
                 if await self.aoutput.poll(POLL_MS):
                     msg = self.decoder.decode(await self.aoutput.recv())
-                    if isinstance(msg, m.EngineCoreOutputs):
-                        await on_outputs(msg.outputs)
-                    elif isinstance(msg, m.UtilityResult):
-                        future = self._futures.pop(msg.call_id, None)
-                        if future is not None and not future.done():
-                            future.set_result(msg)
-                    elif isinstance(msg, m.CoreFailed):
-                        self._mark_dead(msg.message)
+                    if isinstance(msg, m.UtilityResult):
+                        call = self._calls.pop(msg.call_id, None)
+                        if call is not None and not call[1].done():
+                            call[1].set_result(msg)
+                    else:
+                        outputs = self._apply(msg)
+                        if outputs:
+                            await on_outputs(outputs)
                 self.check_alive()
+                while self.lost:
+                    on_lost(*self.lost.pop(0))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the core died, or handling its outputs failed: no request can finish
@@ -202,17 +300,36 @@ class AsyncCoreClient(CoreClient):
                 logger.exception("handling the engine core's outputs failed")
                 self._mark_dead(f"handling the engine core's outputs failed: {type(e).__name__}: {e}")
             message = self.dead or str(e)
-            for future in self._futures.values():
+            for _, future in self._calls.values():
                 if not future.done():
                     future.set_exception(EngineDeadError(message))
             on_dead(message)
 
-    async def call_utility(self, method: str, *args) -> Any:
-        call = self._utility_call(method, args)
-        future = asyncio.get_running_loop().create_future()
-        self._futures[call.call_id] = future
-        self.send(call)
-        result = await future
-        if result.error:
-            raise RuntimeError(result.error)
-        return result.result
+    def _core_died(self, core: CoreProcess, message: str) -> None:
+        super()._core_died(core, message)
+        for call_id, (index, future) in list(self._calls.items()):
+            if index == core.index:
+                del self._calls[call_id]
+                if not future.done():
+                    future.set_exception(EngineDeadError(message))
+
+    async def call_utility(self, method: str, *args) -> dict[int, Any]:
+        """Run `method` on every live core; return each one's result by its index (a core that dies
+        meanwhile is left out)."""
+        loop = asyncio.get_running_loop()
+        futures = {}
+        for call_id, index in self._send_utility(method, args).items():
+            futures[index] = loop.create_future()
+            self._calls[call_id] = (index, futures[index])
+        results = {}
+        for index, future in futures.items():
+            try:
+                result = await future
+            except EngineDeadError:
+                if self.dead:
+                    raise
+                continue
+            if result.error:
+                raise RuntimeError(result.error)
+            results[index] = result.result
+        return results

@@ -34,7 +34,7 @@ class FrontEnd:
         check_quantization(model, self.config.quantization)
         # The core process starts first: its imports overlap ours and the model's resolution, and its
         # weight load and warm-up overlap the tokenizer's load.
-        self.client = client_cls()
+        self.client = client_cls(self.config.data_parallel_size)
         try:
             self.model_dir, gguf_file = locate_model(model)
             # The core reads a GGUF file's blocks itself under quantization gguf: it gets the file's path.
@@ -71,6 +71,18 @@ class FrontEnd:
         share cached prefixes only with requests of the same `cache_salt`."""
         request_id = request_id or f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         return self.processor.process(request_id, prompt, params, time.time(), cache_salt)
+
+    @staticmethod
+    def merge_stats(per_core: dict[int, dict]) -> dict:
+        """The live cores' scheduler stats summed (KV-cache usage averaged), each core's under "engines"."""
+        total: dict = {}
+        for stats in per_core.values():
+            for key, value in stats.items():
+                total[key] = total.get(key, 0) + value
+        if per_core:
+            total["kv_cache_usage"] /= len(per_core)
+        total["engines"] = {str(i): stats for i, stats in sorted(per_core.items())}
+        return total
 
     def shutdown(self) -> None:
         if getattr(self, "client", None) is not None:

@@ -27,6 +27,17 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], extra
     return hashlib.sha256(_encode((parent_hash, token_ids, extra_keys))).digest()
 
 
+def extend_block_hashes(
+    hashes: list[bytes], token_ids: Sequence[int], block_size: int, cache_salt: str | None
+) -> None:
+    """Append to `hashes` the chained hash of every full block of `token_ids` past the ones it has."""
+    for i in range(len(hashes), len(token_ids) // block_size):
+        parent = hashes[i - 1] if i else None
+        # The salt keys the first block only; the chain carries it into every later one.
+        extra = (cache_salt,) if i == 0 and cache_salt is not None else ()
+        hashes.append(hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra))
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         if block_size < 1:
@@ -55,14 +66,7 @@ class KVCacheManager:
 
         Incremental: a decode step costs one length comparison, and one sha256 when a block fills.
         """
-        bs = self.block_size
-        hashes = request.block_hashes
-        tokens = request.all_token_ids
-        for i in range(len(hashes), len(tokens) // bs):
-            parent = hashes[i - 1] if i else None
-            # The salt keys the first block only; the chain carries it into every later one.
-            extra = (request.cache_salt,) if i == 0 and request.cache_salt is not None else ()
-            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra))
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached run of full blocks from the start of ``request.all_token_ids``.

@@ -75,8 +75,7 @@ class LLM(FrontEnd):
                 request = self.process(prompt, p)
                 order[request.request_id] = i
                 self.output_processor.add_request(request)
-                for req in request.core_requests:
-                    self.client.add_request(req)
+                self.client.add_requests(request.core_requests)
             return self._collect(order, use_tqdm)
         except BaseException:
             # Bad input, Ctrl-C or a dead engine: nothing of this call may stay in the engine.
@@ -111,7 +110,8 @@ class LLM(FrontEnd):
         return results  # type: ignore[return-value]
 
     def get_stats(self) -> dict:
-        return self.client.call_utility("stats")
+        return self.merge_stats(self.client.call_utility("stats"))
 
     def reset_prefix_cache(self) -> bool:
-        return self.client.call_utility("reset_prefix_cache")
+        self.client.coordinator.reset_prefixes()
+        return all(self.client.call_utility("reset_prefix_cache").values())

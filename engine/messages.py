@@ -48,6 +48,7 @@ class StartCore(msgspec.Struct, tag=True, array_like=True):
     config: EngineConfig
     model_dir: str
     gguf_file: str | None = None  # to convert into model_dir first (its first start)
+    engine_index: int = 0  # which of the front end's engine cores (data parallelism) this one is
 
 
 CoreInput = EngineCoreRequest | AbortRequests | UtilityCall | Shutdown | StartCore
@@ -75,12 +76,15 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
 class EngineCoreOutputs(msgspec.Struct, tag=True, array_like=True):
     outputs: list[EngineCoreOutput]
+    engine_index: int = 0
+    kv_cache_usage: float = 0.0  # as the step that produced these left it: load for the coordinator
 
 
 class UtilityResult(msgspec.Struct, tag=True, array_like=True):
     call_id: int
     result: Any = None
     error: str | None = None
+    engine_index: int = 0
 
 
 class CoreReady(msgspec.Struct, tag=True, array_like=True):
@@ -92,12 +96,14 @@ class CoreReady(msgspec.Struct, tag=True, array_like=True):
     dtype: str
     device: str
     vocab_size: int  # the model's: token ids at or past it have no embedding
+    engine_index: int = 0
 
 
 class CoreFailed(msgspec.Struct, tag=True, array_like=True):
     """The core hit an error it cannot continue after (sent before it exits)."""
 
     message: str
+    engine_index: int = 0
 
 
 CoreOutput = EngineCoreOutputs | UtilityResult | CoreReady | CoreFailed

@@ -89,6 +89,9 @@ class Routes:
                 raise APIError(503, f"the engine core is not responding: {self.s.llm.dead or e}") from None
         if self.s.llm.dead:
             raise APIError(503, f"the engine core is dead: {self.s.llm.dead}")
+        if dead := self.s.llm.dead_cores:
+            # The live cores still serve, but the server is short of capacity until it is restarted.
+            raise APIError(503, f"{'; '.join(dead)}; the other engine cores still serve")
         return json_response(HealthResponse(status="ok"))
 
     async def version(self, request: Request) -> Response:
@@ -233,7 +236,7 @@ def build_app(
     tool_call_parser: str | None = None,
 ) -> Starlette:
     """The HTTP app over an AsyncLLM (or anything with its attributes: tokenizer, processor, max_model_len,
-    model_name, dead, generate, chat_prompt, get_stats, check_capacity)."""
+    model_name, dead, dead_cores, generate, chat_prompt, get_stats, check_capacity)."""
     serving = Serving(
         llm, max_body_bytes, trust_request_chat_template, sanitize_special_tokens, tool_call_parser
     )
@@ -326,10 +329,8 @@ def serve(
 
         async def exit_when_engine_dies(self) -> None:
             while not self.should_exit:
-                if llm.dead:
-                    logger.error(
-                        "the engine core died (%s): exiting, as --exit-on-engine-death asks", llm.dead
-                    )
+                if dead := llm.dead or "; ".join(llm.dead_cores):
+                    logger.error("an engine core died (%s): exiting, as --exit-on-engine-death asks", dead)
                     self.exit_code, self.should_exit = 1, True
                 await asyncio.sleep(0.5)
 

@@ -126,7 +126,8 @@ class ServerMetrics:
 
 
 class EngineStatsCollector:
-    """The engine core's scheduler stats, as of the last scrape (refreshed by /metrics)."""
+    """The engine cores' scheduler stats as of the last scrape (refreshed by /metrics), one series per
+    core, labelled `engine` (its data-parallel index); `sum without (engine)` gives the totals."""
 
     GAUGES = (
         ("kiln:num_requests_running", "num_running", "Requests in the running queue"),
@@ -146,14 +147,13 @@ class EngineStatsCollector:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        for name, key, doc in self.GAUGES:
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric([self.model_name], float(self.stats.get(key, 0)))
-            yield g
-        for name, key, doc in self.COUNTERS:
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric([self.model_name], float(self.stats.get(key, 0)))
-            yield c
+        engines = self.stats.get("engines", {})
+        for family, specs in ((GaugeMetricFamily, self.GAUGES), (CounterMetricFamily, self.COUNTERS)):
+            for name, key, doc in specs:
+                metric = family(name, doc, labels=["model_name", "engine"])
+                for index, stats in engines.items():
+                    metric.add_metric([self.model_name, index], float(stats[key]))
+                yield metric
 
 
 class RequestTracker:

@@ -121,7 +121,7 @@ def async_engine(tiny_chat_model):
 
 def test_a_request_just_after_the_core_died_fails_without_freezing_the_loop(async_engine):
     async def go():
-        proc = async_engine.client.proc
+        proc = async_engine.client.cores[0].proc
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()  # dead, and nothing on this loop has had a chance to notice
         with pytest.raises(EngineDeadError, match="exited unexpectedly"):
@@ -190,7 +190,7 @@ def test_token_ids_the_model_cannot_embed_are_refused(tmp_path, tiny_chat_model)
             llm.generate([[1, 49100]], use_tqdm=False)
         out = llm.generate([[1, 48999]], SamplingParams(max_tokens=2), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 2
-        pid = llm.client.proc.pid
+        pid = llm.client.cores[0].proc.pid
     assert pid not in engine_core_children()
 
 

@@ -198,7 +198,7 @@ def test_chat_applies_the_template(llm):
 
 def test_killed_engine_core_fails_pending_requests_quickly(tiny_chat_model):
     engine = LLM(tiny_chat_model, dtype="float32", num_kv_blocks=64, enforce_eager=True)
-    pid = engine.client.proc.pid
+    pid = engine.client.cores[0].proc.pid
     threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()  # mid-generation
     start = time.monotonic()
     with pytest.raises(EngineDeadError, match="exited unexpectedly"):

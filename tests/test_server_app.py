@@ -69,6 +69,7 @@ class FakeLLM:
         self.model_name = MODEL
         self.processor = InputProcessor(self.tokenizer, max_model_len, [EOS], len(self.tokenizer))
         self.dead: str | None = None
+        self.dead_cores: list[str] = []
         self.step_s = step_s
         self.running: set[str] = set()
         self.aborted: list[str] = []
@@ -85,7 +86,7 @@ class FakeLLM:
             raise EngineOverloadedError(f"{len(self.running)} requests are in flight")
 
     async def get_stats(self) -> dict:
-        return dict(
+        stats = dict(
             num_running=len(self.running),
             num_waiting=0,
             kv_cache_usage=0.5 if self.running else 0.0,
@@ -93,6 +94,7 @@ class FakeLLM:
             prefix_cache_hits=4,
             num_preemptions=0,
         )
+        return {**stats, "engines": {"0": stats}}
 
     def process(self, prompt, params, request_id=None, cache_salt=None):
         return self.processor.process(request_id or "req", prompt, params, time.time(), cache_salt)
@@ -362,7 +364,7 @@ def test_tokenize_detokenize_models_version_metrics(client):
     for name in METRIC_NAMES:
         assert name in text, name
     assert 'kiln:generation_tokens_total{model_name="fake-model"} 2.0' in text
-    assert 'kiln:prefix_cache_hits_total{model_name="fake-model"} 4.0' in text
+    assert 'kiln:prefix_cache_hits_total{engine="0",model_name="fake-model"} 4.0' in text
 
 
 def _drive_until_disconnect(app, body: dict, disconnect_after_s: float) -> list[dict]:

@@ -233,10 +233,12 @@ async def _drive(
 
 
 def engine_gauges(metrics: str) -> dict[str, float]:
-    """Requests running and waiting, and KV-cache use, from a /metrics page."""
+    """Requests running and waiting, and KV-cache use, from a /metrics page, summed over engine cores."""
     names = "num_requests_running|num_requests_waiting|kv_cache_usage_perc"
-    found = re.findall(rf"^kiln:({names})\{{[^}}]*\}} (\S+)$", metrics, re.M)
-    return {name: float(value) for name, value in found}
+    gauges: dict[str, float] = {}
+    for name, value in re.findall(rf"^kiln:({names})\{{[^}}]*\}} (\S+)$", metrics, re.M):
+        gauges[name] = gauges.get(name, 0.0) + float(value)
+    return gauges
 
 
 def run(

@@ -54,6 +54,8 @@ def test_a_bad_value_names_its_field():
         EngineConfig(block_size=7)
     with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1"):
         EngineConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="data_parallel_size must be at least 1"):
+        EngineConfig(data_parallel_size=0)
     with pytest.raises(ValueError, match="worker_address must be tcp://HOST:PORT"):
         EngineConfig(worker_address="127.0.0.1:5555")
     assert EngineConfig(worker_address="tcp://0.0.0.0:5555").worker_address == "tcp://0.0.0.0:5555"

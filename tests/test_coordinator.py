@@ -1,0 +1,67 @@
+"""The data-parallel coordinator's routing: least load, prefix affinity within a slack, and the
+bookkeeping that a finished, aborted or orphaned request leaves behind."""
+
+from __future__ import annotations
+
+from engine.coordinator import AFFINITY_SLACK, Coordinator
+
+BS = 4
+
+
+def make(cores: int = 2, seqs: int = 8) -> Coordinator:
+    return Coordinator(cores, BS, seqs, [100] * cores)
+
+
+def test_least_loaded_core_takes_unrelated_prompts():
+    c = make(3)
+    cores = [c.route([i] * 3, None, [f"r{i}"]) for i in range(6)]  # under one block: no affinity
+    assert sorted(cores) == [0, 0, 1, 1, 2, 2]
+    c.release(["r0", "r3"])  # both on core 0
+    assert c.route([9] * 3, None, ["x"]) == 0
+    c.kv_usage[0] = 0.9  # a nearly full cache weighs like most of a batch
+    assert c.route([8] * 3, None, ["y"]) != 0
+
+
+def test_a_shared_prefix_goes_to_the_core_that_holds_it_until_that_core_is_too_busy():
+    c = make(2, seqs=8)
+    system = list(range(3 * BS))
+    first = c.route([*system, 100], None, ["a"])
+    slack = int(AFFINITY_SLACK * 8)
+    followers = [c.route([*system, 101 + i], None, [f"f{i}"]) for i in range(slack + 1)]
+    assert followers[:slack] == [first] * slack  # within the slack: the cached prefix wins
+    assert followers[slack] != first  # past it: the least loaded core
+    other = c.route(list(range(500, 500 + 3 * BS)), None, ["u"])
+    assert other != first or c.load(1 - first) > c.load(first)
+
+
+def test_a_cache_salt_keeps_prefixes_apart():
+    c = make(2)
+    system = list(range(2 * BS))
+    salted = c.route(system, "tenant-a", ["a"])
+    c.route([7] * 3, None, ["pad"])  # even out the load
+    assert c.route(system, "tenant-a", ["a2"]) == salted  # the same salt finds its prefix
+    assert c.route(system, "tenant-b", ["b"]) != salted  # another salt's is not its: least load decides
+
+
+def test_samples_of_one_prompt_stay_together_and_are_released_by_id():
+    c = make(2)
+    core = c.route([1, 2, 3, 4, 5], None, ["p-0", "p-1", "p-2"])
+    assert c.in_flight[core] == {"p-0", "p-1", "p-2"} and c.owner["p-1"] == core
+    assert c.release(["p-0", "unknown"]) == {core: ["p-0"]}
+    assert c.release(["p-0"]) == {}  # an abort after the finish costs nothing
+    assert c.in_flight[core] == {"p-1", "p-2"}
+
+
+def test_a_dead_core_hands_back_its_requests_and_gets_no_more():
+    c = make(2)
+    held = [c.route([i] * 2, None, [f"r{i}"]) for i in range(4)]
+    lost = c.core_died(1)
+    assert sorted(lost) == sorted(f"r{i}" for i, core in enumerate(held) if core == 1)
+    assert all(c.owner[r] == 0 for r in c.owner) and not c.in_flight[1]
+    assert {c.route([50 + i] * 9, None, [f"n{i}"]) for i in range(5)} == {0}
+
+
+def test_the_prefix_memory_is_no_larger_than_the_cores_cache():
+    c = Coordinator(1, BS, 8, [5])
+    c.route(list(range(40 * BS)), None, ["long"])
+    assert len(c.prefixes[0]) == 5

@@ -83,6 +83,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         ),
     ] = 1
     data_parallel_rank: int = 0  # which of this host's engine cores: its share of the cores or devices
+    engine_core_addresses: Annotated[
+        str | None,
+        _help(
+            "comma-separated tcp://HOST:PORT of engine cores started with `kiln serve --headless` "
+            "(PORT+1 is used too), to serve with instead of starting cores here"
+        ),
+    ] = None
     max_pending_requests: Annotated[
         int, _help("streaming front ends: requests held beyond max_num_seqs before more are refused (429)")
     ] = 4096
@@ -98,6 +105,17 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 self.worker_address is None or re.fullmatch(r"tcp://[^:/]+:\d+", self.worker_address),
                 "worker_address",
                 "must be tcp://HOST:PORT",
+            ),
+            (
+                self.engine_core_addresses is None
+                or all(re.fullmatch(r"tcp://[^:/,]+:\d+", a) for a in self.engine_core_addresses.split(",")),
+                "engine_core_addresses",
+                "must be tcp://HOST:PORT, comma-separated",
+            ),
+            (
+                self.engine_core_addresses is None or self.data_parallel_size == 1,
+                "data_parallel_size",
+                "must be 1 with engine_core_addresses (each address is one engine core)",
             ),
             (self.usage in ("offline", "serving"), "usage", "must be offline or serving"),
             (budget is None or budget >= 1, "max_num_batched_tokens", "must be at least 1"),

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -41,6 +42,8 @@ from engine.structured_output import StructuredOutputManager
 logger = logging.getLogger("kiln.core")
 
 STATS_INTERVAL_S = 5.0
+POLL_MS = 200  # how often a headless core waiting for input checks that its front end is still there
+SEND_TIMEOUT_MS = 30_000
 IDLE_WAIT_S = 0.005  # how long an empty step waits for a compiling grammar before looking for input again
 
 
@@ -152,14 +155,22 @@ class EngineCore:
 
 
 class EngineCoreProc:
-    """EngineCore behind two zmq sockets: PULL for inputs, PUSH for outputs."""
+    """EngineCore behind two zmq sockets: PULL for inputs, PUSH for outputs. A local core connects to its
+    front end's sockets; a headless one (`listen`) binds its own and stops once its front end leaves."""
 
-    def __init__(self, input_addr: str, output_addr: str) -> None:
+    def __init__(self, input_addr: str, output_addr: str, listen: bool = False) -> None:
         self.ctx = zmq.Context(io_threads=1)
         self.input = self.ctx.socket(zmq.PULL)
-        self.input.connect(input_addr)
         self.output = self.ctx.socket(zmq.PUSH)
-        self.output.connect(output_addr)
+        self.monitor: zmq.Socket | None = None
+        if listen:
+            self.monitor = self.input.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self.output.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)  # a front end gone can't block us
+            self.input.bind(input_addr)
+            self.output.bind(output_addr)
+        else:
+            self.input.connect(input_addr)
+            self.output.connect(output_addr)
         self.decoder = msgspec.msgpack.Decoder(CoreInput)
         self.encoder = msgspec.msgpack.Encoder()
         self.core: EngineCore | None = None
@@ -175,6 +186,8 @@ class EngineCoreProc:
             if not isinstance(start, StartCore):
                 raise RuntimeError(f"expected StartCore first, got {type(start).__name__}")
             self.engine_index = start.engine_index
+            while self.monitor is not None and self.monitor.poll(0):  # an earlier peer's leaving
+                self.monitor.recv_multipart()
             self.core = EngineCore(start.config, start.model_dir, start.gguf_file)
         except Exception as e:
             logger.exception("engine core failed to start")
@@ -200,6 +213,13 @@ class EngineCoreProc:
     def _drain_inputs(self, block: bool) -> bool:
         """Apply every pending input; False once asked to shut down."""
         outputs: list[EngineCoreOutput] = []
+        if self.monitor is not None:
+            while block and not self.input.poll(POLL_MS):
+                if self.monitor.poll(0):
+                    break
+            if self.monitor.poll(0):
+                logger.info("the front end left: stopping")
+                return False
         flags = 0 if block else zmq.NOBLOCK
         while True:
             try:
@@ -240,7 +260,33 @@ class EngineCoreProc:
             )
 
 
+def serve_headless(address: str) -> int:
+    """`kiln serve --headless`: keep an engine core listening at `address` for a front end, a fresh one
+    after each front end leaves, until stopped. A core that fails at once (its port taken) ends it."""
+    logger.info("headless engine core at %s and the port after it; waiting for a front end", address)
+    while True:
+        started = time.monotonic()
+        code = subprocess.call([sys.executable, "-m", "engine.core", "--listen", address])
+        if code != 0 and time.monotonic() - started < 10:
+            logger.error("the engine core exited with code %d", code)
+            return code
+
+
 def main() -> None:
+    """`python -m engine.core IN OUT PARENT_PID`, started by a front end, or `--listen tcp://HOST:PORT`,
+    headless: waiting there (and on PORT+1) for a front end, until it leaves."""
+    logging.basicConfig(
+        level=os.environ.get("KILN_LOG_LEVEL", "INFO"),
+        stream=sys.stderr,
+        format="%(levelname)s %(asctime)s [core] %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    if sys.argv[1] == "--listen":
+        host, port = sys.argv[2].removeprefix("tcp://").rsplit(":", 1)
+        die_with_parent(os.getppid())  # `kiln serve --headless`, which restarts it for the next front end
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        EngineCoreProc(sys.argv[2], f"tcp://{host}:{int(port) + 1}", listen=True).run()
+        return
     parent = int(sys.argv[3])
     die_with_parent(parent)
 
@@ -253,12 +299,6 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
-    logging.basicConfig(
-        level=os.environ.get("KILN_LOG_LEVEL", "INFO"),
-        stream=sys.stderr,
-        format="%(levelname)s %(asctime)s [core] %(message)s",
-        datefmt="%H:%M:%S",
-    )
     EngineCoreProc(sys.argv[1], sys.argv[2]).run()
 
 

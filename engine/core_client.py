@@ -35,19 +35,59 @@ POLL_MS = 200  # how often a waiting client checks that the core process is aliv
 
 
 class CoreProcess:
-    """One engine core as the front end sees it: its process, the socket its inputs go out on, and
-    whether it is ready or dead."""
+    """One engine core as the front end sees it: a process it started, the socket its inputs go out on,
+    and whether it is ready or dead."""
 
     def __init__(self, ctx: zmq.Context, index: int, in_addr: str, out_addr: str) -> None:
         self.index = index
         self.input = ctx.socket(zmq.PUSH)
         self.input.bind(in_addr)
-        self.proc = subprocess.Popen(
+        self.proc: subprocess.Popen | None = subprocess.Popen(
             [sys.executable, "-m", "engine.core", in_addr, out_addr, str(os.getpid())],
             stdin=subprocess.DEVNULL,
         )
         self.ready: m.CoreReady | None = None
         self.dead: str | None = None
+
+    def gone(self) -> str | None:
+        """Why the core is gone, if it is."""
+        if self.proc.poll() is None:
+            return None
+        return f"process exited unexpectedly (exit code {self.proc.returncode})"
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        _stop(self.proc)
+
+
+class RemoteCore(CoreProcess):
+    """An engine core started elsewhere (`kiln serve --headless`), reached over TCP at `address`
+    (inputs) and the port after it (outputs); it is gone once its connection drops."""
+
+    def __init__(self, ctx: zmq.Context, index: int, address: str) -> None:
+        self.index, self.address = index, address
+        host, port = address.removeprefix("tcp://").rsplit(":", 1)
+        self.output_address = f"tcp://{host}:{int(port) + 1}"
+        self.input = ctx.socket(zmq.PUSH)
+        self.monitor = self.input.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.input.connect(address)
+        self.proc = None
+        self.ready: m.CoreReady | None = None
+        self.dead: str | None = None
+        self.lost = False
+
+    def gone(self) -> str | None:
+        if not self.lost and self.monitor.poll(0):
+            self.lost = True
+        return f"at {self.address}: its connection dropped" if self.lost else None
+
+    def running(self) -> bool:
+        return self.gone() is None
+
+    def kill(self) -> None:
+        """Nothing to kill here: the core stops itself once its front end's connection drops."""
 
 
 class CoreClient:
@@ -57,9 +97,10 @@ class CoreClient:
     # Whether one core's death ends the whole engine. LLM: a batch missing some outputs is of no use.
     fail_together = True
 
-    def __init__(self, num_cores: int = 1) -> None:
-        """Start the core processes and return at once: they import torch while we get the model ready.
-        Then `start` sends them the model and `wait_ready` waits for their warm-up."""
+    def __init__(self, config: EngineConfig) -> None:
+        """Start the core processes (or connect to the config's headless ones) and return at once: they
+        import torch while we get the model ready. Then `start` sends them the model and `wait_ready`
+        waits for their warm-up."""
         self.ipc_dir = tempfile.mkdtemp(prefix="kiln-")
         out_addr = f"ipc://{self.ipc_dir}/out"
         self.ctx = zmq.Context()
@@ -69,21 +110,28 @@ class CoreClient:
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(m.CoreOutput)
         self.dead: str | None = None
-        self.cores = [
-            CoreProcess(self.ctx, i, f"ipc://{self.ipc_dir}/in{i}", out_addr) for i in range(num_cores)
-        ]
+        if config.engine_core_addresses:
+            addresses = config.engine_core_addresses.split(",")
+            self.cores = [RemoteCore(self.ctx, i, address) for i, address in enumerate(addresses)]
+            for core in self.cores:
+                self.output.connect(core.output_address)
+        else:
+            n = config.data_parallel_size
+            self.cores = [CoreProcess(self.ctx, i, f"ipc://{self.ipc_dir}/in{i}", out_addr) for i in range(n)]
         self.ready: m.CoreReady | None = None  # the first core's; every core's budgets are the same
         self.coordinator: Coordinator | None = None
         self.lost: list[tuple[str, list[str]]] = []  # a dead core's message and requests, to fail
         self._call_ids = itertools.count()
         # Runs on shutdown, when the client is collected, or at interpreter exit, whichever comes first:
         # a script that falls off its end with the engine alive still exits.
-        procs = [core.proc for core in self.cores]
+        procs = [core.proc for core in self.cores if core.proc is not None]
         self._finalizer = weakref.finalize(self, _release, procs, self.ctx, self.ipc_dir)
 
     def start(self, config: EngineConfig, model_dir: str, gguf_file: str | None = None) -> None:
         for core in self.cores:
-            rank_config = msgspec.structs.replace(config, data_parallel_rank=core.index)
+            # A headless core has its host to itself; local ones share this one.
+            rank = 0 if isinstance(core, RemoteCore) else core.index
+            rank_config = msgspec.structs.replace(config, data_parallel_rank=rank)
             self.send(core, m.StartCore(rank_config, model_dir, gguf_file, core.index))
 
     def send(self, core: CoreProcess, msg) -> None:
@@ -121,11 +169,8 @@ class CoreClient:
     def check_alive(self) -> None:
         """EngineDeadError once the engine can serve nothing; a core found dead is taken out of service."""
         for core in self.cores:
-            if core.dead is None and core.proc.poll() is not None:
-                code = core.proc.returncode
-                self._core_died(
-                    core, self._named(core.index, f"process exited unexpectedly (exit code {code})")
-                )
+            if core.dead is None and (why := core.gone()):
+                self._core_died(core, self._named(core.index, why))
         if self.dead:
             raise EngineDeadError(self.dead)
 
@@ -140,7 +185,7 @@ class CoreClient:
             self._mark_dead(message)
             return
         logger.error("%s; the other engine cores go on serving", message)
-        _stop(core.proc)
+        core.kill()
         self.lost.append((message, self.coordinator.core_died(core.index)))
 
     def _mark_dead(self, message: str) -> None:
@@ -191,16 +236,16 @@ class CoreClient:
         """Stop the core processes and release the sockets; safe to call more than once."""
         stopping = []
         for core in self.cores:
-            if core.proc.poll() is None and core.ready is None:  # still starting: nothing to finish cleanly
-                _stop(core.proc)
-            elif core.proc.poll() is None:
+            if core.running() and core.ready is None:  # still starting: nothing to finish cleanly
+                core.kill()
+            elif core.running():
                 with contextlib.suppress(zmq.ZMQError):
                     core.input.send(self.encoder.encode(m.Shutdown()), flags=zmq.NOBLOCK)
-                    stopping.append(core.proc)
+                    stopping.append(core)
         deadline = time.monotonic() + 5
-        for proc in stopping:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+        for core in stopping:
+            while core.running() and time.monotonic() < deadline:
+                time.sleep(0.01)
         self._finalizer()
         if self.dead is None:
             self.dead = "engine core was shut down"

@@ -34,7 +34,7 @@ class FrontEnd:
         check_quantization(model, self.config.quantization)
         # The core process starts first: its imports overlap ours and the model's resolution, and its
         # weight load and warm-up overlap the tokenizer's load.
-        self.client = client_cls(self.config.data_parallel_size)
+        self.client = client_cls(self.config)
         try:
             self.model_dir, gguf_file = locate_model(model)
             # The core reads a GGUF file's blocks itself under quantization gguf: it gets the file's path.

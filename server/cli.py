@@ -61,6 +61,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.headless:
+        from engine.core import serve_headless
+
+        if args.model_path or args.model or engine_flags(args):
+            raise ValueError(
+                "a headless engine core takes the model and engine flags from the front end that connects "
+                "to it (kiln serve MODEL ... --engine-core-addresses tcp://HOST:PORT); give only "
+                "--host and --port"
+            )
+        return serve_headless(f"tcp://{args.host}:{args.port}")
     from server.api import serve
 
     return serve(
@@ -118,6 +128,12 @@ def add_serve_parser(sub) -> None:
         "--exit-on-engine-death",
         action="store_true",
         help="exit (code 1) when the engine core dies, for a supervisor to restart; default: answer 503",
+    )
+    serve.add_argument(
+        "--headless",
+        action="store_true",
+        help="run an engine core alone, listening at --host:--port (and the port after it) for a front "
+        "end started elsewhere with --engine-core-addresses; no HTTP",
     )
     serve.add_argument(
         "--sanitize-special-tokens",

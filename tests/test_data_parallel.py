@@ -8,14 +8,20 @@ import json
 import os
 import re
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from engine.llm import LLM, SamplingParams
-from tests.test_server_lifecycle import start
+from engine.processes import free_port
+from server import cli
+from tests.test_server_lifecycle import ROOT, start
 
 GREEDY = {"max_tokens": 8, "temperature": 0}
 
@@ -36,15 +42,29 @@ def cores_of(server_pid: int) -> dict[int, int]:
     return found
 
 
-def test_two_engine_cores_share_the_load_and_one_dying_fails_only_its_requests(tiny_chat_model, tmp_path):
-    # Over a KV block each, so that every core's prefix-cache lookups count the prompts it served.
-    prompts = [
-        f"Story {i}: once upon a time, in a land far away, a potter fired clay in a kiln" for i in range(64)
-    ]
-    greedy = SamplingParams(temperature=0, max_tokens=8)
-    with LLM(tiny_chat_model, dtype="float32", enforce_eager=True, kv_cache_memory=50_000_000) as llm:
-        expected = [o.outputs[0].text for o in llm.generate(prompts, greedy, use_tqdm=False)]
+# Over a KV block each, so that every core's prefix-cache lookups count the prompts it served.
+PROMPTS = [
+    f"Story {i}: once upon a time, in a land far away, a potter fired clay in a kiln" for i in range(64)
+]
+ENGINE = dict(dtype="float32", enforce_eager=True, kv_cache_memory=50_000_000)
 
+
+def generate(model: str, prompts: list[str], **engine_args) -> tuple[list[str], dict]:
+    with LLM(model, **ENGINE, **engine_args) as llm:
+        outs = llm.generate(prompts, SamplingParams(**GREEDY), use_tqdm=False)
+        return [o.outputs[0].text for o in outs], llm.get_stats()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_chat_model) -> list[str]:
+    """One engine core's greedy outputs."""
+    return generate(tiny_chat_model, PROMPTS)[0]
+
+
+def test_two_engine_cores_share_the_load_and_one_dying_fails_only_its_requests(
+    tiny_chat_model, expected, tmp_path
+):
+    prompts = PROMPTS
     proc, url = start(tiny_chat_model, tmp_path / "log", "--data-parallel-size", "2")
     try:
         cores = cores_of(proc.pid)
@@ -100,3 +120,64 @@ def test_two_engine_cores_share_the_load_and_one_dying_fails_only_its_requests(t
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
     assert not Path(f"/proc/{cores[0]}").exists()
+
+
+def listening_port() -> int:
+    """A port P with P+1 free too: a headless core listens on both."""
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+
+
+def test_headless_cores_on_two_hosts_serve_one_front_end(tiny_chat_model, expected, tmp_path):
+    """Two `kiln serve --headless` processes on loopback stand for two hosts, each running one engine
+    core for a front end started with their addresses; when it leaves, each waits for the next."""
+    ports = [listening_port()]
+    ports.append(next(p for p in iter(listening_port, None) if abs(p - ports[0]) > 1))
+    hosts = []
+    for port in ports:
+        with open(tmp_path / f"host-{port}.log", "wb") as log:
+            hosts.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "server", "--headless", "--port", str(port)],
+                    cwd=ROOT,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                )
+            )
+    try:
+        addresses = [f"tcp://127.0.0.1:{port}" for port in ports]
+        texts, stats = generate(tiny_chat_model, PROMPTS, engine_core_addresses=",".join(addresses))
+        assert texts == expected
+        assert all(stats["engines"][str(i)]["prefix_cache_queries"] > 0 for i in range(2)), stats
+        texts, _ = generate(tiny_chat_model, PROMPTS[:4], engine_core_addresses=addresses[1])
+        assert texts == expected[:4]  # the next front end finds a fresh core waiting
+        assert all(host.poll() is None for host in hosts)
+    finally:
+        for host in hosts:
+            host.terminate()
+        for host in hosts:
+            host.wait(30)
+    time.sleep(0.5)
+    left = [p for p in Path("/proc").glob("[0-9]*") if b"--listen" in _cmdline(p)]
+    assert not [p for p in left if any(f":{port}".encode() in _cmdline(p) for port in ports)]
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_headless_takes_no_model_or_engine_flags(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "--headless", "--dtype", "float32"])
+    assert exit_.value.code == 2
+    assert "takes the model and engine flags from the front end" in capsys.readouterr().err

@@ -2,8 +2,9 @@
 
 Each iteration: drain new requests and aborts → Scheduler.schedule() → Executor.execute_model()
 → Scheduler.update_from_output() → send outputs. With nothing to do it blocks on its input socket.
-The front end starts it as `python -m engine.core IN OUT` (a fresh interpreter, never a fork) and
-sends StartCore first; every message is msgpack (engine/messages.py).
+The front end starts it as `python -m engine.core IN OUT PID` (a fresh interpreter, never a fork), or
+it runs headless on another host (`kiln serve --headless`) and the front end connects to it; either way
+the front end sends StartCore first, and every message is msgpack (engine/messages.py).
 """
 
 from __future__ import annotations

@@ -50,6 +50,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             "offline: no extra limit)"
         ),
     ] = None
+    async_scheduling: Annotated[
+        bool | None,
+        _help(
+            "schedule the next step while the model runs the current one (default: on for CUDA, "
+            "off on CPU, where the scheduler would take cores from the model)"
+        ),
+    ] = None
     usage: str = "offline"  # offline (LLM) | serving (AsyncLLM, kiln serve): which defaults apply
     enable_prefix_caching: Annotated[bool, _help("reuse the KV of shared prompt prefixes")] = True
     enable_chunked_prefill: Annotated[bool, _help("split long prompts over several steps")] = True
@@ -150,8 +157,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             # most (BENCHMARKS.md, inter-token latency); offline, larger chunks finish a batch sooner.
             serving = self.usage == "serving" and self.enable_chunked_prefill
             decoding = (2048 if on_cuda else 64) if serving else 0
+        overlap = on_cuda if self.async_scheduling is None else self.async_scheduling
         return msgspec.structs.replace(
-            self, max_num_batched_tokens=budget, max_num_batched_tokens_decoding=decoding
+            self,
+            max_num_batched_tokens=budget,
+            max_num_batched_tokens_decoding=decoding,
+            async_scheduling=overlap,
         )
 
 

@@ -21,7 +21,7 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig
-from engine.executor import import_worker_module, make_executor
+from engine.executor import StepResult, import_worker_module, make_executor
 from engine.messages import (
     AbortRequests,
     CoreFailed,
@@ -38,6 +38,7 @@ from engine.messages import (
 from engine.processes import die_with_parent
 from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.step import SchedulerOutput
 from engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("kiln.core")
@@ -74,10 +75,12 @@ class EngineCore:
                 enable_chunked_prefill=c.enable_chunked_prefill,
                 long_prefill_token_threshold=c.long_prefill_token_threshold,
                 max_num_batched_tokens_decoding=c.max_num_batched_tokens_decoding,
+                async_scheduling=c.async_scheduling,
             ),
             structured=self.structured,
         )
         self.scheduled_time: dict[str, float] = {}
+        self.in_flight: tuple[SchedulerOutput, StepResult] | None = None  # async_scheduling's last step
         self._tokens = [0, 0]  # prompt, generation tokens since the last stats line
         self._last_stats = time.monotonic()
 
@@ -110,17 +113,28 @@ class EngineCore:
             self.scheduled_time.pop(rid, None)
         return self.scheduler.abort_requests(request_ids)
 
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self.in_flight is not None
+
     def step(self) -> list[EngineCoreOutput]:
         so = self.scheduler.schedule()
         failed = self.scheduler.take_failed()
-        if so.is_empty:
+        if so.is_empty and self.in_flight is None:
             self.executor.execute_model(so)  # still drops the state of requests finished since the last step
             self.structured.wait(IDLE_WAIT_S)  # a grammar still compiling: don't spin on an empty step
             return failed
         now = time.time()
         for new in so.new_reqs:
             self.scheduled_time.setdefault(new.req_id, now)
-        runner_output = self.executor.execute_model(so)
+        if self.config.async_scheduling:
+            # Queue this step behind the one the model is running, then take that one's tokens.
+            launched = self.executor.execute_model_async(so)
+            done, self.in_flight = self.in_flight, None if so.is_empty else (so, launched)
+            if done is None:
+                return failed
+            so, runner_output = done[0], done[1].result()
+        else:
+            runner_output = self.executor.execute_model(so)
         outputs = failed + self.scheduler.update_from_output(so, runner_output)
         # Multi-token chunks are prompt work (or recomputation after a preemption).
         self._tokens[0] += sum(n for n in so.num_scheduled_tokens.values() if n > 1)
@@ -197,7 +211,7 @@ class EngineCoreProc:
         self.send(self.core.ready_message(self.engine_index))
         try:
             while True:
-                busy = self.core.scheduler.has_unfinished_requests()
+                busy = self.core.has_work()
                 # Idle: block until something arrives. Busy: take only what is already queued.
                 if not self._drain_inputs(block=not busy):
                     return

@@ -1,8 +1,9 @@
 """The front end's side of the engine-core IPC: start the core processes, send inputs, receive outputs.
 
-Transport: zmq PUSH/PULL over ipc:// sockets (tcp:// to headless cores on other hosts). Chosen over multiprocessing connections because
-pyzmq has native asyncio sockets (the server's client needs no thread), queues in both directions
-without blocking the busy loop, and carries raw msgpack frames, so nothing is ever pickled.
+Transport: zmq PUSH/PULL over ipc:// sockets (tcp:// to headless cores on other hosts). Chosen over
+multiprocessing connections because pyzmq has native asyncio sockets (the server's client needs no
+thread), queues in both directions without blocking the busy loop, and carries raw msgpack frames, so
+nothing is ever pickled.
 A local core runs as a fresh `python -m engine.core` process (not a fork); it dies with its parent.
 """
 

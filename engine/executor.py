@@ -17,8 +17,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import zmq
@@ -56,6 +57,9 @@ class Executor:
         self.dtype: str = self.worker.dtype
         self.device: str = self.worker.device
         self.vocab_size: int = self.worker.vocab_size
+        # Overlapped scheduling runs the worker on a thread of its own, every call from then on (CUDA
+        # graphs replay on the thread that captured them); torch's kernels leave the GIL to the scheduler.
+        self.thread = ThreadPoolExecutor(1, "kiln-worker") if self.config.async_scheduling else None
 
     def initialize(self) -> int:
         """Size and allocate the KV cache, then compile and warm up; returns the number of KV blocks."""
@@ -75,13 +79,33 @@ class Executor:
 
     def _call(self, method: str, *args: Any) -> list:
         """`method`'s answer from every worker, in rank order."""
-        return [getattr(self.worker, method)(*args)]
+        call = getattr(self.worker, method)
+        return [call(*args) if self.thread is None else self.thread.submit(call, *args).result()]
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(so)
 
+    def execute_model_async(self, so: SchedulerOutput) -> StepResult:
+        """Queue a step behind the ones in flight (async_scheduling); its `result()` waits for it."""
+        return self.thread.submit(self.worker.execute_model, so)
+
     def shutdown(self) -> None:
-        pass
+        if self.thread is not None:
+            self.thread.shutdown(wait=True, cancel_futures=True)
+
+
+class StepResult(Protocol):
+    def result(self) -> ModelRunnerOutput: ...
+
+
+class _NextStepOutput:
+    """The answer to the oldest step the workers have not answered yet."""
+
+    def __init__(self, executor: MultiprocExecutor) -> None:
+        self.executor = executor
+
+    def result(self) -> ModelRunnerOutput:
+        return self.executor._wait(m.WorkerStepOutput, 1)[0].output
 
 
 class MultiprocExecutor(Executor):
@@ -187,8 +211,12 @@ class MultiprocExecutor(Executor):
         return [r.result for r in self._wait(m.WorkerReply, self.size)]
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(so).result()
+
+    def execute_model_async(self, so: SchedulerOutput) -> StepResult:
+        # The workers run steps in the order sent and answer in that order: results are read in turn.
         self._send(m.ExecuteModel(so))
-        return self._wait(m.WorkerStepOutput, 1)[0].output
+        return _NextStepOutput(self)
 
     def shutdown(self) -> None:
         """Ask every worker to stop, then make sure those started here have; safe to call more than once."""

@@ -58,6 +58,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Overlapped scheduling: tokens a step in flight will sample, which the next step already computes.
+        self.num_output_placeholders = 0
         self.status = RequestStatus.WAITING
         self.block_hashes: list[bytes] = []
         self.stop_reason: int | str | None = None

@@ -9,6 +9,12 @@ step starts from, and after ``schedule()`` it already counts the step's tokens. 
 still prefilling after a step iff ``num_computed_tokens < num_tokens``; it gets a sampled token in
 ``update_from_output()`` otherwise.
 
+With ``async_scheduling`` the core schedules step N+1 before step N's tokens are back: a request whose
+step samples holds an output placeholder until its token arrives, and the next step computes that
+token's position all the same (the runner appends each sampled token to its own copy of the request's
+tokens). A request that may stop on the pending token (max_tokens, the context limit, a grammar, which
+must see the token first) waits for it instead.
+
 Preemption is by recompute: the most recently admitted running request gives up its blocks,
 keeps its tokens (prompt and outputs) and goes back to the front of the waiting queue.
 """
@@ -44,6 +50,7 @@ class SchedulerConfig:
     # prefill never holds running streams' next tokens for long; a step with nobody decoding may use
     # the whole budget, which is what a lone prompt's time to first token needs.
     max_num_batched_tokens_decoding: int = 0
+    async_scheduling: bool = False  # schedule the next step while the current one runs
 
     def __post_init__(self) -> None:
         lows = {"max_model_len": 2, "num_blocks": 2, "max_num_seqs": 1, "max_num_batched_tokens": 1,
@@ -205,11 +212,11 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
+            n = min(self._num_known(req) - req.num_computed_tokens, budget)
             if threshold and n > threshold:
                 n = threshold
-            if n <= 0:  # nothing to compute until its sampled token arrives
-                i += 1
+            if n <= 0 or (req.num_output_placeholders and self._awaits_output(req)):
+                i += 1  # nothing to compute until its sampled token arrives
                 continue
             while (new_blocks := kv.allocate_slots(req, n)) is None:
                 victim = running.pop()  # most recently admitted; never one already scheduled (index < i)
@@ -225,6 +232,7 @@ class Scheduler:
             )
             num_scheduled[rid] = n
             req.num_computed_tokens += n
+            self._hold_place(req)
             budget -= n
             i += 1
 
@@ -274,12 +282,30 @@ class Scheduler:
             )
             num_scheduled[rid] = n
             req.num_computed_tokens = num_hit + n
+            self._hold_place(req)
             budget -= n
 
         waiting.extendleft(reversed(skipped))
         out.total_num_scheduled_tokens = full_budget - budget
         self._grammar_bitmasks(out)
         return out
+
+    @staticmethod
+    def _num_known(req: Request) -> int:
+        """Tokens the runner will know once the steps in flight are done."""
+        return len(req.all_token_ids) + req.num_output_placeholders
+
+    def _hold_place(self, req: Request) -> None:
+        """Overlapped scheduling: a step that samples leaves a placeholder for its token."""
+        if self.config.async_scheduling and req.num_computed_tokens == self._num_known(req):
+            req.num_output_placeholders += 1
+
+    def _awaits_output(self, req: Request) -> bool:
+        """Whether a request with tokens in flight must see them before it computes more."""
+        sp, known = req.sampling_params, self._num_known(req)
+        if req.grammar is not None or known >= self.max_len:
+            return True
+        return sp.max_tokens is not None and known - req.num_prompt_tokens >= sp.max_tokens
 
     def _grammar_bitmasks(self, out: SchedulerOutput) -> None:
         """The token masks of the constrained requests that sample this step (their chunk ends the prompt)."""
@@ -318,6 +344,7 @@ class Scheduler:
         that got tokens or finished. (``num_computed_tokens`` already advanced in schedule().)"""
         outputs: list[EngineCoreOutput] = []
         finished: list[Request] = []
+        num_waiting = 0  # of the finished: preempted while their step ran (overlapped scheduling only)
         requests = self.requests
         all_logprobs = runner_output.logprobs
         for rid, (start, entries) in runner_output.prompt_logprobs.items():
@@ -331,6 +358,7 @@ class Scheduler:
             if req is None:  # finished or aborted since it was scheduled
                 continue
             first = req.num_output_tokens == 0
+            req.num_output_placeholders = max(req.num_output_placeholders - len(token_ids), 0)
             status = None
             for k, token in enumerate(token_ids):
                 req.append_output_token(token)
@@ -347,7 +375,8 @@ class Scheduler:
             logprobs = all_logprobs[i] if all_logprobs is not None else None
             if logprobs is not None:
                 logprobs = logprobs[: len(token_ids)]
-            if status is not None:  # a scheduled request is running: it was preempted before it, if at all
+            if status is not None:
+                num_waiting += req.status == RequestStatus.PREEMPTED
                 req.status = status
                 finished.append(req)
             outputs.append(
@@ -361,7 +390,7 @@ class Scheduler:
                     prompt_logprobs=req.prompt_logprobs if first else None,
                 )
             )
-        self._release(finished, num_waiting=0)
+        self._release(finished, num_waiting)
         return outputs
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:

@@ -425,3 +425,83 @@ def test_aborting_a_waiting_request_leaves_the_queue_in_place_until_half_of_it_i
     assert sorted(out.num_scheduled_tokens) == ["r1", "r2"]  # the aborted one at the front is skipped
     s.abort_requests(["r4", "r5", "r6", "r7"])
     assert [r.request_id for r in s.waiting] == ["r8", "r9"] and s.num_waiting == 2  # compacted
+
+
+# ---- overlapped scheduling -------------------------------------------------------------------
+
+
+class FakeRunner:
+    """The model runner's bookkeeping: its own copy of each request's tokens, extended by what it samples,
+    and a 'model' whose next token is a function of all the tokens before it."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in so.finished_req_ids:
+            self.tokens.pop(rid, None)
+        starts = {c.req_id: c.num_computed_tokens for c in so.cached_reqs}
+        for new in so.new_reqs:
+            self.tokens[new.req_id] = list(new.token_ids)
+            starts[new.req_id] = new.num_computed_tokens
+        ids, sampled = list(so.num_scheduled_tokens), []
+        for rid in ids:
+            tokens, end = self.tokens[rid], starts[rid] + so.num_scheduled_tokens[rid]
+            assert end <= len(tokens), "a step computes a position whose token the runner does not know"
+            sampled.append([])
+            if end == len(tokens):
+                tokens.append((sum(tokens) * 31 + len(tokens)) % 23)  # 0 is EOS
+                sampled[-1].append(tokens[-1])
+        return ModelRunnerOutput(ids, sampled)
+
+
+def drive(s: Scheduler, overlap: bool, abort_at: dict[int, str] | None = None) -> dict[str, list]:
+    """Run every request to its end, the runner one step ahead of the scheduler's updates when `overlap`."""
+    runner, got, in_flight, i = FakeRunner(), {}, None, 0
+    while s.has_unfinished_requests() or in_flight is not None:
+        if abort_at and i in abort_at:
+            for o in s.abort_requests(abort_at[i]):
+                got.setdefault(o.request_id, []).append(o.finish_reason)
+        so = s.schedule()
+        result = runner.execute(so)
+        done, in_flight = (
+            (in_flight, None if so.is_empty else (so, result)) if overlap else ((so, result), None)
+        )
+        for o in s.update_from_output(*done) if done is not None else []:
+            got.setdefault(o.request_id, []).extend(
+                [*o.new_token_ids, *([o.finish_reason] if o.finished else [])]
+            )
+        i += 1
+        assert i < 10_000
+    return got
+
+
+def workload(overlap: bool) -> Scheduler:
+    # 11 usable blocks of 4 tokens for up to 6 sequences: preemptions are certain.
+    s = make(num_blocks=12, max_num_seqs=6, max_num_batched_tokens=16, async_scheduling=overlap)
+    for k in range(10):
+        add(s, f"r{k}", [1 + k, *range(2, 3 + k)], max_tokens=1 + 3 * k, ignore_eos=k % 3 == 0)
+    return s
+
+
+def test_overlapped_scheduling_gives_every_request_the_same_tokens_and_frees_every_block():
+    results = {}
+    for overlap in (False, True):
+        s = workload(overlap)
+        results[overlap] = drive(s, overlap)
+        assert s.num_preemptions > 0
+        assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 11 and not s.requests
+        assert all(not r.num_output_placeholders for r in s.waiting)
+    assert results[True] == results[False]
+    ends = [tokens[-1] for tokens in results[True].values()]
+    assert "stop" in ends and "length" in ends
+
+
+def test_overlapped_scheduling_never_computes_past_max_tokens_and_aborts_cleanly():
+    s = make(async_scheduling=True)
+    add(s, "one", 5, max_tokens=1, ignore_eos=True)
+    add(s, "long", 5, max_tokens=50, ignore_eos=True)
+    got = drive(s, overlap=True, abort_at={6: "long"})
+    assert got["one"][-1] == "length" and len(got["one"]) == 2  # one token, then its end
+    assert got["long"][-1] == "abort"
+    assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 63 and not s.requests

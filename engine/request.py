@@ -82,6 +82,11 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def num_known_tokens(self) -> int:
+        """Tokens the runner will know once the steps in flight are done."""
+        return len(self.all_token_ids) + self.num_output_placeholders
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 

@@ -9,11 +9,10 @@ step starts from, and after ``schedule()`` it already counts the step's tokens. 
 still prefilling after a step iff ``num_computed_tokens < num_tokens``; it gets a sampled token in
 ``update_from_output()`` otherwise.
 
-With ``async_scheduling`` the core schedules step N+1 before step N's tokens are back: a request whose
-step samples holds an output placeholder until its token arrives, and the next step computes that
-token's position all the same (the runner appends each sampled token to its own copy of the request's
-tokens). A request that may stop on the pending token (max_tokens, the context limit, a grammar, which
-must see the token first) waits for it instead.
+With ``async_scheduling``, step N+1 is scheduled before step N's tokens are back: a sampling step
+leaves an output placeholder, whose position the next step computes all the same (the runner appends
+what it samples to its own tokens). A request that may stop on the pending token, or whose grammar
+must see it, waits for it instead.
 
 Preemption is by recompute: the most recently admitted running request gives up its blocks,
 keeps its tokens (prompt and outputs) and goes back to the front of the waiting queue.
@@ -175,22 +174,14 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
-
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
-        return SchedulerStats(
-            num_running=len(self.running),
-            num_waiting=self.num_waiting,
-            kv_cache_usage=kv.usage,
-            prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits,
-            num_preemptions=self.num_preemptions,
-        )
+        n_running, n_preempted = len(self.running), self.num_preemptions
+        queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
+        return SchedulerStats(n_running, self.num_waiting, kv.usage, queries, hits, n_preempted)
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -212,7 +203,7 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = min(self._num_known(req) - req.num_computed_tokens, budget)
+            n = min(req.num_known_tokens - req.num_computed_tokens, budget)
             if threshold and n > threshold:
                 n = threshold
             if n <= 0 or (req.num_output_placeholders and self._awaits_output(req)):
@@ -290,22 +281,16 @@ class Scheduler:
         self._grammar_bitmasks(out)
         return out
 
-    @staticmethod
-    def _num_known(req: Request) -> int:
-        """Tokens the runner will know once the steps in flight are done."""
-        return len(req.all_token_ids) + req.num_output_placeholders
-
     def _hold_place(self, req: Request) -> None:
         """Overlapped scheduling: a step that samples leaves a placeholder for its token."""
-        if self.config.async_scheduling and req.num_computed_tokens == self._num_known(req):
+        if self.config.async_scheduling and req.num_computed_tokens == req.num_known_tokens:
             req.num_output_placeholders += 1
 
     def _awaits_output(self, req: Request) -> bool:
         """Whether a request with tokens in flight must see them before it computes more."""
-        sp, known = req.sampling_params, self._num_known(req)
-        if req.grammar is not None or known >= self.max_len:
-            return True
-        return sp.max_tokens is not None and known - req.num_prompt_tokens >= sp.max_tokens
+        sp, known = req.sampling_params, req.num_known_tokens
+        past_max = sp.max_tokens is not None and known - req.num_prompt_tokens >= sp.max_tokens
+        return req.grammar is not None or known >= self.max_len or past_max
 
     def _grammar_bitmasks(self, out: SchedulerOutput) -> None:
         """The token masks of the constrained requests that sample this step (their chunk ends the prompt)."""

@@ -378,7 +378,7 @@ def test_abort_is_idempotent_and_frees_blocks():
     assert s.abort_requests(["a", "w"]) == []
     assert s.abort_requests("a") == []
     assert [r.request_id for r in s.running] == ["b"] and not s.waiting
-    assert s.get_num_unfinished_requests() == 1
+    assert len(s.requests) == 1
     out, _ = step(s)
     assert out.finished_req_ids == {"a", "w"}
     assert set(out.num_scheduled_tokens) == {"b"}

@@ -42,7 +42,13 @@ def run(args: argparse.Namespace) -> int:
         from server.bench import gpu_check
 
         result = gpu_check.run(
-            args.model, args.dtype, args.device, args.max_num_seqs, args.context, args.steps
+            args.model,
+            args.dtype,
+            args.device,
+            args.max_num_seqs,
+            args.context,
+            args.steps,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
         print(gpu_check.format_report(result))
     elif args.bench == "throughput":
@@ -160,6 +166,12 @@ def parser() -> argparse.ArgumentParser:
     gpu.add_argument("--max-num-seqs", type=int, default=64)
     gpu.add_argument("--context", type=int, default=512)
     gpu.add_argument("--steps", type=int, default=8)
+    gpu.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="also run the whole engine split over this many devices: exactness and decode tok/s",
+    )
     throughput = kinds.add_parser(
         "throughput", help="offline batch through LLM.generate: requests/s and tokens/s"
     )

@@ -29,7 +29,7 @@ from torch._dynamo.utils import counters
 from compiled.input_batch import decode_buckets
 from compiled.model_runner import ModelRunner
 from server.bench import runner as bench
-from server.bench.driver import build_runner, chat_prompts, greedy_mismatches, model_dir
+from server.bench.driver import build_runner, chat_prompts, greedy_mismatches, hf_greedy, model_dir
 
 # Kernel launches the profiler records on the host: each one is a kernel not replayed from a graph.
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
@@ -122,6 +122,7 @@ def run(
     context: int = 512,
     steps: int = 8,
     on_phase: Callable[[dict], None] = lambda result: None,
+    tensor_parallel_size: int = 1,
 ) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -141,6 +142,7 @@ def run(
             context=context,
             steps=steps,
             buckets=buckets,
+            tensor_parallel_size=tensor_parallel_size,
         ),
         "environment": environment(device),
         "errors": {},
@@ -206,6 +208,26 @@ def run(
         out["eager"] = {}
         timed("eager", runner_for(dtype, eager=True))
 
+    def tensor_parallel() -> None:
+        """The whole engine over tensor_parallel_size workers, one device each: greedy exactness against
+        transformers in float32, and decode tok/s at batch 1 and with every prompt in the batch."""
+        from engine.llm import LLM, SamplingParams
+
+        prompts = chat_prompts(AutoTokenizer.from_pretrained(path), min(9, max_num_seqs))
+        greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+        long = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+        tp = out["tensor_parallel"] = {}
+        with LLM(path, device=device, dtype="float32", tensor_parallel_size=tensor_parallel_size) as llm:
+            ours = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+            for name, batch in (("batch1_tok_s", prompts[:1]), ("batch_tok_s", prompts)):
+                start = time.perf_counter()
+                llm.generate(batch, long, use_tqdm=False)
+                tp[name] = len(batch) * long.max_tokens / (time.perf_counter() - start)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+        tp["greedy_mismatches"] = [
+            f"prompt {i}" for i, (p, got) in enumerate(zip(prompts, ours)) if got != hf_greedy(hf, p, 32)
+        ]
+
     def roofline() -> None:
         bandwidth = bench.copy_bandwidth(device=device)
         out["copy_bandwidth_GBps"] = bandwidth / 1e9
@@ -216,6 +238,8 @@ def run(
         phase("exactness", float32_exactness)
     phase("eager", eager)
     phase("roofline", roofline)
+    if tensor_parallel_size > 1:
+        phase("tensor_parallel", tensor_parallel)
     out["problems"] = verdict(out)
     out["ok"] = not out["problems"]
     on_phase(out)
@@ -234,6 +258,11 @@ def verdict(r: dict) -> list[str]:
         problems.append(f"{c['graphs_after_warmup']} graphs compiled after warm-up")
     if c.get("graph_breaks"):
         problems.append(f"{c['graph_breaks']} graph breaks")
+    tp = r.get("tensor_parallel", {})
+    if tp.get("greedy_mismatches"):
+        problems.append("tensor-parallel greedy output diverged: " + ", ".join(tp["greedy_mismatches"]))
+    elif r["config"].get("tensor_parallel_size", 1) > 1 and "greedy_mismatches" not in tp:
+        problems.append("tensor-parallel exactness was not checked")
     if r["config"]["device"] != "cuda":
         return problems
     if c.get("cudagraph_skips"):
@@ -293,6 +322,13 @@ def format_report(r: dict) -> str:
         rows.append(
             f"copy bandwidth {r['copy_bandwidth_GBps']:.0f} GB/s -> "
             f"batch-1 roofline {r['roofline_tok_s']:.0f} tok/s"
+        )
+    if "batch_tok_s" in r.get("tensor_parallel", {}):
+        tp = r["tensor_parallel"]
+        rows.append(
+            f"tensor parallel x{c['tensor_parallel_size']}: greedy "
+            + ("token-exact" if not tp.get("greedy_mismatches") else "DIVERGED")
+            + f", decode {tp['batch1_tok_s']:.1f} tok/s at batch 1, {tp['batch_tok_s']:.1f} at batch 9"
         )
     rows += [f"PROBLEM: {p}" for p in r["problems"]]
     rows.append("OK" if r["ok"] else "FAILED")

@@ -181,3 +181,30 @@ def test_headless_takes_no_model_or_engine_flags(capsys):
         cli.main(["serve", "--headless", "--dtype", "float32"])
     assert exit_.value.code == 2
     assert "takes the model and engine flags from the front end" in capsys.readouterr().err
+
+
+def test_a_prompt_goes_to_the_core_that_caches_its_prefix_though_another_is_idle(tiny_chat_model):
+    from engine.async_llm import AsyncLLM
+
+    llm = AsyncLLM(tiny_chat_model, data_parallel_size=2, **ENGINE)
+    prefix = PROMPTS[0] * 3  # a few KV blocks
+
+    async def go() -> dict:
+        async def finish(prompt: str, **params) -> None:
+            async for _ in llm.generate(prompt, SamplingParams(temperature=0, **params)):
+                pass
+
+        await finish(prefix + " first", max_tokens=1)  # both idle: core 0, which now caches the prefix
+        busy = asyncio.ensure_future(finish("unrelated", max_tokens=400, ignore_eos=True))  # core 0 again
+        await asyncio.sleep(0.5)
+        before = (await llm.get_stats())["engines"]
+        await finish(prefix + " second", max_tokens=1)  # core 1 is idle, but core 0 holds the prefix
+        after = (await llm.get_stats())["engines"]
+        busy.cancel()
+        return {core: {k: after[core][k] - before[core][k] for k in after[core]} for core in after}
+
+    try:
+        delta = asyncio.run(go())
+    finally:
+        llm.shutdown()
+    assert delta["0"]["prefix_cache_hits"] > 0 and delta["1"]["prefix_cache_queries"] == 0, delta

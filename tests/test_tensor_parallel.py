@@ -32,13 +32,17 @@ ENGINE = dict(dtype="float32", max_num_seqs=8, num_kv_blocks=128, max_num_batche
 
 
 def make_model(path: Path, kind: str, tokenizer_dir: str) -> str:
-    """`split`: 2 KV heads split over 2 ranks (Llama, untied). `replicated`: 1 KV head on both ranks,
-    q/k/v biases and a tied vocabulary of 321 rows, padded to 2 x 161 (Qwen2). SmolLM2's tokenizer."""
+    """`split`: 2 KV heads split over 2 ranks (Llama, untied); `wide`: the same, twice as wide. `replicated`:
+    1 KV head on both ranks, q/k/v biases and a tied vocabulary of 321 rows, padded to 2 x 161 (Qwen2).
+    SmolLM2's tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     if kind == "split":
         model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=False))
+    elif kind == "wide":
+        cfg = dict(TINY, hidden_size=128, intermediate_size=256)
+        model = LlamaForCausalLM(LlamaConfig(**cfg, tie_word_embeddings=False))
     else:
         cfg = dict(TINY, vocab_size=321, num_key_value_heads=1)
         model = Qwen2ForCausalLM(Qwen2Config(**cfg, tie_word_embeddings=True))
@@ -90,6 +94,15 @@ def test_two_ranks_match_one_process(models, one_process, kind, enforce_eager):
         one_process[kind] = run(models[kind], enforce_eager=True)
     assert_same(run(models[kind], enforce_eager=enforce_eager, tensor_parallel_size=2), one_process[kind])
     assert not engine_core_children()
+
+
+def test_quantized_weights_split_by_whole_groups(tmp_path, smollm2_dir):
+    """int4 (groups of 32) on a model whose o- and down-projections split into whole groups per rank."""
+    model, quantized = (
+        make_model(tmp_path, "wide", smollm2_dir),
+        dict(enforce_eager=True, quantization="int4"),
+    )
+    assert_same(run(model, tensor_parallel_size=2, **quantized), run(model, **quantized))
 
 
 @pytest.mark.slow

@@ -26,8 +26,8 @@ def params(k: int, stop: str | None = None) -> SamplingParams:
     )
 
 
-def generate(model: str, overlap: bool, stops: list[str | None]) -> tuple[list, dict]:
-    with LLM(model, async_scheduling=overlap, **ENGINE) as llm:
+def generate(model: str, overlap: bool, stops: list[str | None], **engine_args) -> tuple[list, dict]:
+    with LLM(model, async_scheduling=overlap, **ENGINE, **engine_args) as llm:
         outs = llm.generate(PROMPTS, [params(k, stop) for k, stop in enumerate(stops)], use_tqdm=False)
         texts = [[(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outs]
         return texts, llm.get_stats()
@@ -39,7 +39,9 @@ def test_overlapped_steps_give_the_same_outputs_under_stop_strings_samples_and_p
     stops = [out[0][0][6:9] if k % 3 == 1 and len(out[0][0]) > 12 else None for k, out in enumerate(plain)]
     assert sum(s is not None for s in stops) >= 2
     results = {overlap: generate(tiny_chat_model, overlap, stops) for overlap in (False, True)}
-    assert results[True][0] == results[False][0]
+    # Two tensor-parallel workers, which answer the steps the core sends ahead in the order sent.
+    results["tp"] = generate(tiny_chat_model, True, stops, tensor_parallel_size=2)
+    assert results[True][0] == results[False][0] == results["tp"][0]
     for texts, stats in results.values():
         assert stats["num_preemptions"] > 0 and stats["kv_cache_usage"] == 0.0
         assert any(sample[3] in stops for out in texts for sample in out if sample[3])  # a stop string hit

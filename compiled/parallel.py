@@ -86,7 +86,12 @@ def _open_shm(rank: int, size: int) -> ShmExchange | None:
     return exchange if ok.item() else None
 
 
-@torch.library.custom_op("kiln::shm_all_reduce", mutates_args=())
+# A plain dispatcher op rather than torch.library.custom_op, whose Python wrapper costs ~40 µs a call
+# (~6 µs here): a decode step makes two all-reduces a layer.
+_lib = torch.library.Library("kiln", "DEF")
+_lib.define("shm_all_reduce(Tensor x) -> Tensor")
+
+
 def _shm_all_reduce(x: Tensor) -> Tensor:
     if _shm.fits(x):
         return _shm.all_reduce(x)
@@ -95,7 +100,10 @@ def _shm_all_reduce(x: Tensor) -> Tensor:
     return out
 
 
-@_shm_all_reduce.register_fake
+_lib.impl("shm_all_reduce", _shm_all_reduce, "CPU")
+
+
+@torch.library.register_fake("kiln::shm_all_reduce")
 def _(x: Tensor) -> Tensor:
     return x.new_empty(x.shape)  # contiguous, as the sum is
 

@@ -30,7 +30,6 @@ class Coordinator:
         self.live = [True] * num_cores
         self.prefixes: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_cores)]
         self.capacity = num_blocks
-        self.routed = [0] * num_cores  # requests ever sent to each core
 
     def load(self, core: int) -> float:
         return len(self.in_flight[core]) + self.kv_usage[core] * self.max_num_seqs
@@ -57,7 +56,6 @@ class Coordinator:
         for rid in request_ids:
             self.owner[rid] = core
             self.in_flight[core].add(rid)
-        self.routed[core] += 1
         return core
 
     def release(self, request_ids: Iterable[str]) -> dict[int, list[str]]:

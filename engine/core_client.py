@@ -57,7 +57,7 @@ class CoreProcess:
         return f"process exited unexpectedly (exit code {self.proc.returncode})"
 
     def running(self) -> bool:
-        return self.proc.poll() is None
+        return self.gone() is None
 
     def kill(self) -> None:
         _stop(self.proc)
@@ -83,9 +83,6 @@ class RemoteCore(CoreProcess):
         if not self.lost and self.monitor.poll(0):
             self.lost = True
         return f"at {self.address}: its connection dropped" if self.lost else None
-
-    def running(self) -> bool:
-        return self.gone() is None
 
     def kill(self) -> None:
         """Nothing to kill here: the core stops itself once its front end's connection drops."""

@@ -186,7 +186,8 @@ def main() -> None:
     worker: Worker | None = None
     try:
         while True:
-            if gone in dict(poller.poll()):
+            # The core's last Shutdown can arrive together with its disconnect: the message wins.
+            if gone in dict(poller.poll()) and not inputs.poll(500):
                 logging.getLogger("kiln.worker").error("worker %d: the engine core went away", rank)
                 sys.exit(1)
             msg = decoder.decode(inputs.recv())

@@ -1,6 +1,8 @@
 """The bench commands keep working (tiny sizes; no timing is asserted)."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -313,3 +315,49 @@ def test_bench_structured_on_a_tiny_model(tiny_chat_model, tmp_path, capsys):
         "unconstrained",
     }
     assert "with a JSON schema" in capsys.readouterr().out
+
+
+def test_the_vllm_peer_gets_kilns_model_directory_with_its_architecture_named(tmp_path):
+    from server.bench import vllm_cpu
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 8}))
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    with vllm_cpu.model_dir(str(tmp_path)) as d:
+        assert json.loads((Path(d) / "config.json").read_text()) == {
+            "model_type": "qwen2",
+            "hidden_size": 8,
+            "architectures": ["Qwen2ForCausalLM"],
+        }
+        assert (Path(d) / "model.safetensors").read_bytes() == b"weights"
+    assert not Path(d).exists()
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen2"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="gpt2"), vllm_cpu.model_dir(str(tmp_path)):
+        pass
+    # Threads: the peer's OpenMP threads are bound to as many CPUs as kiln's engine had.
+    cmd = vllm_cpu.command("/peer/bin/python", ["-P", "x.py"], 1)
+    cpu = min(os.sched_getaffinity(0))
+    assert f"VLLM_CPU_OMP_THREADS_BIND={cpu};" in cmd[2] and cmd[-3:] == ["/peer/bin/python", "-P", "x.py"]
+
+
+def test_compare_vllm_refuses_clearly_without_the_peer_or_a_launched_server(tmp_path, capsys):
+    for argv in (
+        ["throughput", "--compare", "vllm", "--vllm-python", str(tmp_path / "none")],
+        ["serve", "--launch", "--compare", "vllm", "--vllm-python", str(tmp_path / "none")],
+        ["serve", "--compare", "vllm"],
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(["bench", *argv])
+        assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("setup-vllm-cpu.sh") == 2 and "needs --launch" in err
+
+
+def test_serve_comparison_reports_kiln_over_vllm():
+    def run(tok_s: float, ttft_p99: float) -> dict:
+        stats = {"mean_ms": 10.0, "p50_ms": 10.0, "p90_ms": 10.0, "p99_ms": ttft_p99}
+        return {"output_throughput": tok_s, "ttft": stats, "itl": stats, "tpot": stats}
+
+    table = bench_serve.format_ratios({"kiln": run(120.0, 50.0), "vllm": run(100.0, 200.0)})
+    assert "| output tok/s | 120.0 | 100.0 | 1.20x (higher is better) |" in table
+    assert "| TTFT p99 ms | 50.0 | 200.0 | 0.25x (lower is better) |" in table

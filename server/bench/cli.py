@@ -63,8 +63,9 @@ def run(args: argparse.Namespace) -> int:
             args.output_len,
             args.dataset,
             args.seed,
-            bool(args.compare),
+            args.compare,
             args.hf_continuous,
+            args.vllm_python,
         )
         print(bench_throughput.format_report(result))
     elif args.bench == "latency":
@@ -83,7 +84,11 @@ def run(args: argparse.Namespace) -> int:
         )
         print(bench_latency.format_report(result))
     elif args.bench == "serve":
+        import torch
+
+        from compiled.loader import resolve_dtype
         from server.bench import serve as bench_serve
+        from server.bench import vllm_cpu
 
         def serve_run(base_url: str) -> dict:
             return bench_serve.run(
@@ -104,11 +109,19 @@ def run(args: argparse.Namespace) -> int:
             )
 
         if args.launch is None:
+            if args.compare:
+                raise ValueError("--compare vllm launches both servers: it needs --launch")
             result = serve_run(args.base_url)
         else:
+            vllm_python = vllm_cpu.python(args.vllm_python) if args.compare else None
             flags = engine_flags(args) + (["--api-key", args.api_key] if args.api_key else [])
             with bench_serve.launch(args.launch or None, flags) as (url, _):
                 result = serve_run(url)
+                card = bench_serve.model_card(url, {"Authorization": f"Bearer {args.api_key}"})
+            if vllm_python:
+                dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
+                threads = args.num_threads or len(os.sched_getaffinity(0))
+                result = bench_serve.against_vllm(result, card, dtype, threads, vllm_python, serve_run)
         print(bench_serve.format_report(result))
     elif args.bench == "structured":
         from server.bench import structured
@@ -189,9 +202,9 @@ def parser() -> argparse.ArgumentParser:
         add_engine_args(p)
     throughput.add_argument(
         "--compare",
-        choices=["transformers"],
+        choices=["transformers", "vllm"],
         default=None,
-        help="also run transformers on the same prompts, weights, dtype and device",
+        help="also run transformers, or vLLM's CPU backend, on the same prompts, weights, dtype and threads",
     )
     throughput.add_argument(
         "--no-continuous-batching-baseline",
@@ -201,6 +214,12 @@ def parser() -> argparse.ArgumentParser:
         "tens of minutes on a small CPU)",
     )
     for p in (throughput, serve):
+        p.add_argument(
+            "--vllm-python",
+            default=None,
+            help="the vLLM peer's Python (default: $KILN_VLLM_PYTHON, else the venv "
+            "../shared/peers/setup-vllm-cpu.sh makes)",
+        )
         p.add_argument("--input-len-min", type=int, default=32, help="random prompts: shortest, in tokens")
         p.add_argument("--input-len-max", type=int, default=512, help="random prompts: longest, in tokens")
         p.add_argument(
@@ -236,6 +255,13 @@ def parser() -> argparse.ArgumentParser:
         "--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second, or inf"
     )
     serve.add_argument("--max-concurrency", type=int, default=16)
+    serve.add_argument(
+        "--compare",
+        choices=["vllm"],
+        default=None,
+        help="with --launch: then run `vllm serve` (vLLM's CPU backend) on the same model, dtype, context "
+        "and threads, load it the same way, and print both and the ratios",
+    )
     serve.add_argument(
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,

@@ -17,14 +17,15 @@ import logging
 import math
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from engine.processes import free_port
+from server.bench import vllm_cpu
 from server.bench.prompts import dataset_prompts, token_prompts
 
 METRICS = ("ttft", "tpot", "itl", "e2e")
@@ -132,12 +133,6 @@ async def _run_requests(
     return results, time.perf_counter() - start
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def launch(
     model: str | None,
@@ -148,9 +143,23 @@ def launch(
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """`kiln serve` on a free local port for the duration of the block; yields its base URL and process once
     /health answers. Its output goes to `log` (default: a temporary file), quoted if it fails to start."""
-    httpx = _httpx()
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "server", *([model] if model else []), "--port", str(port), *serve_flags]
+    with launched("kiln serve", cmd, port, timeout, log, env) as running:
+        yield running
+
+
+@contextlib.contextmanager
+def launched(
+    name: str,
+    cmd: list[str],
+    port: int,
+    timeout: float = 900.0,
+    log: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Any server `cmd` that listens on 127.0.0.1:`port`, as `launch` runs kiln's; stopped with SIGTERM."""
+    httpx = _httpx()
     with tempfile.TemporaryDirectory(prefix="kiln-bench-serve-") as tmp:
         log = log or Path(tmp) / "server.log"
         with open(log, "wb") as out:
@@ -163,7 +172,7 @@ def launch(
             while True:
                 if proc.poll() is not None:
                     raise RuntimeError(
-                        f"kiln serve exited with code {proc.returncode}:\n"
+                        f"{name} exited with code {proc.returncode}:\n"
                         f"{log.read_text(errors='replace')[-3000:]}"
                     )
                 with contextlib.suppress(httpx.TransportError):
@@ -171,8 +180,7 @@ def launch(
                         break
                 if time.monotonic() > deadline:
                     raise RuntimeError(
-                        f"kiln serve not ready after {timeout:.0f} s:\n"
-                        f"{log.read_text(errors='replace')[-3000:]}"
+                        f"{name} not ready after {timeout:.0f} s:\n{log.read_text(errors='replace')[-3000:]}"
                     )
                 time.sleep(0.5)
             yield url, proc
@@ -185,11 +193,26 @@ def launch(
                 proc.wait()
 
 
-def _first_model(base_url: str, headers: dict) -> str:
+def model_card(base_url: str, headers: dict | None = None) -> dict:
+    """The first model the server lists: its id, and (kiln, vLLM) its directory and context length."""
     httpx = _httpx()
-    resp = httpx.get(base_url + "/v1/models", headers=headers, timeout=30)
+    resp = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers or {}, timeout=30)
     resp.raise_for_status()
-    return resp.json()["data"][0]["id"]
+    return resp.json()["data"][0]
+
+
+def against_vllm(
+    kiln: dict, card: dict, dtype: str, threads: int, vllm_python: str, load: Callable[[str], dict]
+) -> dict:
+    """`vllm serve` on the model, dtype, context length and threads the kiln server had, loaded by `load`
+    (the same prompts, client and settings kiln's run had) once it is ready: {"kiln": ..., "vllm": ...}."""
+    port = free_port()
+    with vllm_cpu.model_dir(card["root"]) as d:
+        cmd = vllm_cpu.serve_command(vllm_python, d, port, card["id"], dtype, card["max_model_len"], threads)
+        with launched("vllm serve", cmd, port, timeout=1800) as (url, _):
+            peer = load(url)
+    peer["config"]["server"] = f"vLLM (CPU backend, {threads} threads)"
+    return {"kiln": kiln, "vllm": peer}
 
 
 def request_payloads(
@@ -244,7 +267,7 @@ def run(
         ]
     base_url = base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    model = model or _first_model(base_url, headers)
+    model = model or model_card(base_url, headers)["id"]
     path, payloads = request_payloads(prompts, endpoint, model, output_len, ignore_eos)
     results, duration = asyncio.run(
         _run_requests(base_url, path, payloads, request_rate, max_concurrency, seed, headers)
@@ -286,6 +309,10 @@ def run(
 
 
 def format_report(r: dict) -> str:
+    if "vllm" in r:
+        return "\n\n".join(
+            ["kiln:", format_report(r["kiln"]), "vLLM:", format_report(r["vllm"]), format_ratios(r)]
+        )
     c = r["config"]
     rows = [
         f"serve: {c['num_prompts']} prompts to {c['base_url']} /{c['endpoint']} ({c['model']}), "
@@ -302,4 +329,26 @@ def format_report(r: dict) -> str:
         rows.append(
             f"| {m.upper()} | " + " | ".join("n/a" if v is None else f"{v:.1f}" for v in r[m].values()) + " |"
         )
+    return "\n".join(rows)
+
+
+def format_ratios(r: dict) -> str:
+    """kiln against vLLM on what the targets name: throughput (higher is better), latencies (lower)."""
+    k, v = r["kiln"], r["vllm"]
+
+    def row(label: str, a: float | None, b: float | None, better: str) -> str:
+        if a is None or b is None:
+            return f"| {label} | {a} | {b} | |"
+        return f"| {label} | {a:.1f} | {b:.1f} | {a / b:.2f}x ({better} is better) |"
+
+    rows = ["| | kiln | vLLM | kiln / vLLM |", "|---|---|---|---|"]
+    rows.append(row("output tok/s", k["output_throughput"], v["output_throughput"], "higher"))
+    for m, q in (
+        ("ttft", "p50_ms"),
+        ("ttft", "p99_ms"),
+        ("itl", "p50_ms"),
+        ("itl", "p99_ms"),
+        ("tpot", "mean_ms"),
+    ):
+        rows.append(row(f"{m.upper()} {q.removesuffix('_ms')} ms", k[m][q], v[m][q], "lower"))
     return "\n".join(rows)

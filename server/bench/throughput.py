@@ -16,6 +16,7 @@ from engine.params import SamplingParams
 from server.bench.prompts import dataset_prompts, token_prompts
 
 BASELINES = {
+    "vllm": "vLLM (CPU backend)",
     "transformers_static": "transformers, static batches",
     "transformers_continuous": "transformers, continuous batching",
 }
@@ -151,12 +152,17 @@ def run(
     output_len: int = 128,
     dataset: str | None = None,
     seed: int = 0,
-    compare: bool = False,
+    compare: str | None = None,
     hf_continuous: bool = True,
+    vllm_python: str | None = None,
 ) -> dict:
-    """kiln, then (with `compare`) transformers static batches and (with `hf_continuous`) its continuous
-    batching, on the same prompts."""
+    """kiln, then on the same prompts either (`compare="transformers"`) transformers static batches and (with
+    `hf_continuous`) its continuous batching, or (`compare="vllm"`) vLLM's CPU backend in its own venv."""
     from engine.llm import LLM
+    from server.bench import vllm_cpu
+
+    if compare == "vllm":
+        vllm_python = vllm_cpu.python(vllm_python)
 
     llm = LLM(model, **engine_args)
     try:
@@ -170,6 +176,7 @@ def run(
                 f"{too_long} prompts are longer than max_model_len - output_len = {limit} tokens"
             )
         ready, model_dir, pad_id = llm.client.ready, llm.model_dir, llm.tokenizer.pad_token_id
+        max_model_len = llm.max_model_len
         cfg = llm.config
         out: dict = {
             "config": {
@@ -190,7 +197,21 @@ def run(
         out["kiln"] = bench_kiln(llm, prompts, output_len)
     finally:
         llm.shutdown()
-    if compare:
+    if compare == "vllm":
+        threads = cfg.num_threads or len(os.sched_getaffinity(0))
+        peer = vllm_cpu.offline(
+            vllm_python, model_dir, ready.dtype, max_model_len, prompts, output_len, threads
+        )
+        out["vllm"] = (
+            peer
+            if "unavailable" in peer
+            else {
+                "version": peer["version"],
+                "threads": threads,
+                **_rates(len(prompts), peer["prompt_tokens"], peer["output_tokens"], peer["elapsed_s"]),
+            }
+        )
+    elif compare == "transformers":
         hf = load_transformers(model_dir, ready.dtype, ready.device, cfg.num_threads)
         pad_id = pad_id if pad_id is not None else 0
         out["transformers_static"] = bench_transformers_static(
@@ -222,6 +243,8 @@ def format_report(r: dict) -> str:
             rows.append(f"| {label} | unavailable: {reason} | | | | |")
             continue
         ratio = "" if key == "kiln" else f"{kiln['output_tok_s'] / d['output_tok_s']:.2f}x"
+        if key == "vllm":
+            label = f"vLLM {d['version']} (CPU backend, {d['threads']} threads)"
         rows.append(
             f"| {label} | {d['requests_per_s']:.2f} | {d['output_tok_s']:.1f} | {d['total_tok_s']:.1f} "
             f"| {d['elapsed_s']:.1f} | {ratio} |"

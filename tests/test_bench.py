@@ -361,3 +361,19 @@ def test_serve_comparison_reports_kiln_over_vllm():
     table = bench_serve.format_ratios({"kiln": run(120.0, 50.0), "vllm": run(100.0, 200.0)})
     assert "| output tok/s | 120.0 | 100.0 | 1.20x (higher is better) |" in table
     assert "| TTFT p99 ms | 50.0 | 200.0 | 0.25x (lower is better) |" in table
+
+
+def test_greedy_references_continue_where_an_earlier_one_stopped(tiny_llama):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from server.bench.driver import hf_greedy
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+    model, prompt = load(), [5, 9, 13, 2, 7]
+    short = hf_greedy(model, prompt, 3)
+    longer = hf_greedy(model, prompt, 12)
+    assert longer[:3] == short and hf_greedy(model, prompt, 5) == longer[:5]
+    assert longer == hf_greedy(load(), prompt, 12)  # a fresh model computes every step anew

@@ -206,7 +206,7 @@ def run(
             peer
             if "unavailable" in peer
             else {
-                "version": peer["version"],
+                **{k: peer[k] for k in ("version", "max_num_seqs", "max_num_batched_tokens")},
                 "threads": threads,
                 **_rates(len(prompts), peer["prompt_tokens"], peer["output_tokens"], peer["elapsed_s"]),
             }
@@ -244,7 +244,10 @@ def format_report(r: dict) -> str:
             continue
         ratio = "" if key == "kiln" else f"{kiln['output_tok_s'] / d['output_tok_s']:.2f}x"
         if key == "vllm":
-            label = f"vLLM {d['version']} (CPU backend, {d['threads']} threads)"
+            label = (
+                f"vLLM {d['version']} (CPU backend, {d['threads']} threads, "
+                f"max_num_seqs {d['max_num_seqs']}, max_num_batched_tokens {d['max_num_batched_tokens']})"
+            )
         rows.append(
             f"| {label} | {d['requests_per_s']:.2f} | {d['output_tok_s']:.1f} | {d['total_tok_s']:.1f} "
             f"| {d['elapsed_s']:.1f} | {ratio} |"

@@ -5,7 +5,8 @@
     python -P vllm_peer.py REQUEST.json RESULT.json
 
 REQUEST: {"model": dir, "dtype": str, "max_model_len": n, "prompts": [[token ids]], "output_len": n}.
-RESULT: {"version": str, "elapsed_s": s, "prompt_tokens": n, "output_tokens": n}, or {"error": str}.
+RESULT: {"version", "max_num_seqs", "max_num_batched_tokens", "elapsed_s", "prompt_tokens", "output_tokens"},
+or {"error": str}.
 The clock runs as kiln's does: from the first submitted prompt to the last finished one, after a warm-up.
 """
 
@@ -35,8 +36,11 @@ def main() -> None:
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=True)
         elapsed = time.perf_counter() - start
+        sched = llm.llm_engine.vllm_config.scheduler_config
         result = {
             "version": vllm.__version__,
+            "max_num_seqs": sched.max_num_seqs,
+            "max_num_batched_tokens": sched.max_num_batched_tokens,
             "elapsed_s": elapsed,
             "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
             "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),

@@ -19,9 +19,10 @@ tokens of `P` multi-token chunks (fresh prefills, or chunks continuing after cac
   Inductor fuses the indirect loads into the reductions, and each query head of a GQA group is its
   own reduction over the same loads, so a K or V slice is loaded once for the whole group; matmuls
   over gathered K/V eagerly (`decode_attention_matmul`). The compile policy picks one.
-- Multi-token chunks gather their sequence's K/V (context and the chunk itself, already written)
-  into a padded [P, L] batch and run SDPA with a causal-by-position mask: prefill is compute-bound
-  and SDPA's matmuls beat any reduction there; the few chunks per step keep the padding small.
+- Multi-token chunks run SDPA over their sequence's K/V (context and the chunk itself, already
+  written): prefill is compute-bound and SDPA's matmuls beat any reduction there. On CPU each chunk
+  runs alone on its own keys (`prefill_attention_chunks`), causal where it has no context so the flash
+  kernel skips the masked half; elsewhere the chunks are one padded [P, L] batch with a mask.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class AttentionMetadata(NamedTuple):
     prefill_query_index: Tensor  # [P, Qp] step-token index of each chunk's queries (padding: any valid index)
     prefill_query_pos: Tensor  # [P, Qp] position of each query (padding: 0)
     prefill_out_index: Tensor  # [T - Bd] row of each chunk token in the flattened [P * Qp] output
+    prefill_chunks: Tensor  # [P, 2] first position and query count of each chunk
 
     @property
     def decode_only(self) -> bool:
@@ -177,6 +179,45 @@ def prefill_attention(
     return out.transpose(1, 2).reshape(P * Qp, H, D)[meta.prefill_out_index]
 
 
+def prefill_attention_chunks(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, chunks: Tensor, scale: float
+) -> Tensor:
+    """Multi-token chunks one at a time: q [N, H, D] holds their queries chunk after chunk, `chunks` [P, 2]
+    each one's first position and query count (`block_tables` [P, W]); -> [N, H, D]. No chunk pays for
+    another's length, as each does in the padded batch (several times the work for prompts of mixed
+    lengths)."""
+    out, first = torch.empty_like(q), 0
+    bs = v_cache.shape[3]
+    for i, (start, n) in enumerate(chunks.tolist()):
+        end = start + n
+        table = block_tables[i : i + 1, : -(-end // bs)]
+        k = _gather_keys(k_cache, table)[:, :, :end]  # [1, Hkv, end, D]: every slot written
+        v = _gather_values(v_cache, table)[:, :, :end]
+        qi = q[first : first + n].transpose(0, 1)[None]  # [1, H, n, D]
+        if start == 0:
+            o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            mask = torch.arange(end, device=q.device) <= torch.arange(start, end, device=q.device)[:, None]
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[first : first + n] = o[0].transpose(0, 1)
+        first += n
+    return out
+
+
+# An op of its own, run eagerly inside the compiled layers: its loop follows the chunks' values.
+_lib = torch.library.Library("kiln", "FRAGMENT")
+_lib.define(
+    "prefill_attention_chunks(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor chunks, "
+    "float scale) -> Tensor"
+)
+_lib.impl("prefill_attention_chunks", prefill_attention_chunks, "CPU")
+
+
+@torch.library.register_fake("kiln::prefill_attention_chunks")
+def _(q: Tensor, *pages_and_chunks: object) -> Tensor:
+    return torch.empty_like(q)
+
+
 def paged_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -190,6 +231,11 @@ def paged_attention(
     parts = []
     if Bd > 0:
         parts.append(decode(q[:Bd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale))
-    if meta.prefill_block_tables.shape[0] > 0:
+    if meta.prefill_block_tables.shape[0] > 0 and q.device.type == "cpu":
+        chunks = torch.ops.kiln.prefill_attention_chunks(
+            q[Bd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_chunks, scale
+        )
+        parts.append(chunks)
+    elif meta.prefill_block_tables.shape[0] > 0:
         parts.append(prefill_attention(q, k_cache, v_cache, meta, scale))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -240,6 +240,10 @@ class InputBatch:
             prefill_query_index=put("prefill_query_index", np.array(query_index).reshape(len(chunks), q_max)),
             prefill_query_pos=put("prefill_query_pos", np.array(query_pos).reshape(len(chunks), q_max)),
             prefill_out_index=put("prefill_out_index", out_index),
+            prefill_chunks=put(
+                "prefill_chunks",
+                np.array([(s.num_computed_tokens, n) for s, n in zip(chunks, chunk_lens)]).reshape(-1, 2),
+            ),
         )
         return StepBatch(
             put("token_ids", token_ids), put("positions", pos_a), meta, logits_index, sampled, prompt_rows

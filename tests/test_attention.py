@@ -68,12 +68,13 @@ def test_decode_attention_matches_a_plain_softmax_whatever_the_slice_width(lanes
     torch.testing.assert_close(compiled, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("expand_kv", [False, True])
-def test_prefill_attention_is_a_causal_softmax_with_gqa_or_expanded_kv(expand_kv, monkeypatch):
-    """Both ways of meeting GQA (SDPA's own on CPU, K/V repeated per query head on CUDA) compute the same."""
-    k_cache, v_cache, tables, lens, ks, vs = paged_sequences(4, monkeypatch)
-    n = lens.tolist()
-    starts, q_max = [0, n[0], n[0] + n[1]], max(n)
+@pytest.mark.parametrize("form", ["one-by-one", "padded", "padded-expanded-kv"])
+def test_prefill_attention_is_a_causal_softmax_below_its_context(form, monkeypatch):
+    """Chunks one by one (CPU) or as one padded batch meeting GQA as SDPA does or with K/V repeated per
+    query head (CUDA) compute the same; the middle chunk continues after 20 cached positions."""
+    k_cache, v_cache, tables, _, ks, vs = paged_sequences(4, monkeypatch)
+    starts, n = [0, 20, 0], [5, 17, 16]
+    firsts, q_max = [0, 5, 22], max(n)
     q = torch.randn(sum(n), H, D)
     meta = AttentionMetadata(
         slot_mapping=torch.zeros(sum(n), dtype=torch.int64),
@@ -81,15 +82,23 @@ def test_prefill_attention_is_a_causal_softmax_with_gqa_or_expanded_kv(expand_kv
         decode_seq_lens=torch.zeros(0, dtype=torch.int64),
         prefill_block_tables=tables,
         prefill_query_index=torch.tensor(
-            [[s + min(j, m - 1) for j in range(q_max)] for s, m in zip(starts, n)]
+            [[f + min(j, m - 1) for j in range(q_max)] for f, m in zip(firsts, n)]
         ),
-        prefill_query_pos=torch.tensor([[j if j < m else 0 for j in range(q_max)] for m in n]),
+        prefill_query_pos=torch.tensor(
+            [[s + j if j < m else 0 for j in range(q_max)] for s, m in zip(starts, n)]
+        ),
         prefill_out_index=torch.tensor([p * q_max + j for p, m in enumerate(n) for j in range(m)]),
+        prefill_chunks=torch.tensor(list(zip(starts, n))),
     )
-    out = prefill_attention(q, k_cache, v_cache, meta, D**-0.5, expand_kv=expand_kv)
-    for b, (s, m) in enumerate(zip(starts, n)):
-        k, v = (x.double().repeat_interleave(H // HKV, 1) for x in (ks[b], vs[b]))
-        scores = torch.einsum("qhd,lhd->hql", q[s : s + m].double(), k) * D**-0.5
-        scores = scores.masked_fill(torch.ones(m, m, dtype=torch.bool).triu(1), float("-inf"))
+    if form == "one-by-one":
+        out = torch.ops.kiln.prefill_attention_chunks(
+            q, k_cache, v_cache, tables, meta.prefill_chunks, D**-0.5
+        )
+    else:
+        out = prefill_attention(q, k_cache, v_cache, meta, D**-0.5, expand_kv=form == "padded-expanded-kv")
+    for b, (f, s, m) in enumerate(zip(firsts, starts, n)):
+        k, v = (x[: s + m].double().repeat_interleave(H // HKV, 1) for x in (ks[b], vs[b]))
+        scores = torch.einsum("qhd,lhd->hql", q[f : f + m].double(), k) * D**-0.5
+        scores = scores.masked_fill(torch.ones(m, s + m, dtype=torch.bool).triu(s + 1), float("-inf"))
         expected = torch.einsum("hql,lhd->qhd", scores.softmax(-1), v).float()
-        torch.testing.assert_close(out[s : s + m], expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[f : f + m], expected, rtol=1e-5, atol=1e-5)

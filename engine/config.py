@@ -50,6 +50,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             "offline: no extra limit)"
         ),
     ] = None
+    step_stretch: Annotated[
+        float,
+        _help(
+            "CPU serving without --max-num-batched-tokens-decoding: a step that carries a prompt chunk may "
+            "take this many times a decode-only step's measured time (its budget follows; at least 64 "
+            "tokens). 0: a fixed 64"
+        ),
+    ] = 4.0
     async_scheduling: Annotated[
         bool | None,
         _help(
@@ -126,6 +134,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             ),
             (self.usage in ("offline", "serving"), "usage", "must be offline or serving"),
             (budget is None or budget >= 1, "max_num_batched_tokens", "must be at least 1"),
+            (self.step_stretch == 0 or self.step_stretch >= 1, "step_stretch", "must be 0 or at least 1"),
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be at least 2"),
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]"),
             (0.0 < self.cpu_kv_cache_fraction < 1.0, "cpu_kv_cache_fraction", "must be in (0, 1)"),
@@ -152,17 +161,21 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             budget = 1024 if self.enable_chunked_prefill and not on_cuda else 8192
             budget = max(budget, self.max_num_seqs)  # room for every sequence's decode
         decoding = self.max_num_batched_tokens_decoding
+        serving = self.usage == "serving" and self.enable_chunked_prefill
         if decoding is None:
             # Serving: a new prompt holds running streams' next tokens for a fraction of a second at
             # most (BENCHMARKS.md, inter-token latency); offline, larger chunks finish a batch sooner.
-            serving = self.usage == "serving" and self.enable_chunked_prefill
             decoding = (2048 if on_cuda else 64) if serving else 0
         overlap = on_cuda if self.async_scheduling is None else self.async_scheduling
+        # On CPU the budget follows the measured step times (StepBudget), read as each step ends:
+        # overlapped steps would blur them.
+        measured = serving and self.max_num_batched_tokens_decoding is None and not on_cuda and not overlap
         return msgspec.structs.replace(
             self,
             max_num_batched_tokens=budget,
             max_num_batched_tokens_decoding=decoding,
             async_scheduling=overlap,
+            step_stretch=self.step_stretch if measured else 0.0,
         )
 
 

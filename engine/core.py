@@ -39,6 +39,7 @@ from engine.processes import die_with_parent
 from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step import SchedulerOutput
+from engine.step_budget import StepBudget
 from engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("kiln.core")
@@ -78,6 +79,11 @@ class EngineCore:
                 async_scheduling=c.async_scheduling,
             ),
             structured=self.structured,
+        )
+        self.step_budget = (
+            StepBudget(c.step_stretch, c.max_num_batched_tokens_decoding, c.max_num_batched_tokens)
+            if c.step_stretch
+            else None
         )
         self.scheduled_time: dict[str, float] = {}
         self.in_flight: tuple[SchedulerOutput, StepResult] | None = None  # async_scheduling's last step
@@ -134,7 +140,10 @@ class EngineCore:
                 return failed
             so, runner_output = done[0], done[1].result()
         else:
+            start = time.perf_counter()
             runner_output = self.executor.execute_model(so)
+            if self.step_budget is not None:
+                self._measure_step(so, time.perf_counter() - start)
         outputs = failed + self.scheduler.update_from_output(so, runner_output)
         # Multi-token chunks are prompt work (or recomputation after a preemption).
         self._tokens[0] += sum(n for n in so.num_scheduled_tokens.values() if n > 1)
@@ -143,6 +152,13 @@ class EngineCore:
             out.scheduled_time = self.scheduled_time.pop(out.request_id, None)  # only on the first output
         self._maybe_log_stats()
         return outputs
+
+    def _measure_step(self, so: SchedulerOutput, seconds: float) -> None:
+        chunks = sum(n for n in so.num_scheduled_tokens.values() if n > 1)
+        rows = sum(n == 1 for n in so.num_scheduled_tokens.values())
+        self.step_budget.observe(rows, chunks, seconds)
+        cfg = self.scheduler.config
+        cfg.max_num_batched_tokens_decoding = self.step_budget.tokens(len(self.scheduler.running))
 
     def stats(self) -> dict:
         return dataclasses.asdict(self.scheduler.stats())

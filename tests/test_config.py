@@ -45,6 +45,15 @@ def test_budgets_resolve_for_the_device():
     assert offline.resolved(on_cuda=False).max_num_batched_tokens_decoding == 0
     assert serving.resolved(on_cuda=False).max_num_batched_tokens_decoding == 64
     assert serving.resolved(on_cuda=True).max_num_batched_tokens_decoding == 2048
+    # CPU serving measures its steps and sizes chunks from them, unless a budget is given or steps overlap.
+    assert serving.resolved(on_cuda=False).step_stretch == 4.0
+    for fixed in (
+        EngineConfig(usage="serving", max_num_batched_tokens_decoding=64),
+        EngineConfig(usage="serving", async_scheduling=True),
+        offline,
+    ):
+        assert fixed.resolved(on_cuda=False).step_stretch == 0
+    assert serving.resolved(on_cuda=True).step_stretch == 0
     assert EngineConfig(max_num_seqs=2000).resolved(on_cuda=False).max_num_batched_tokens == 2000
     assert EngineConfig(enable_chunked_prefill=False).resolved(on_cuda=False).max_num_batched_tokens == 8192
 

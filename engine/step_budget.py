@@ -9,32 +9,60 @@ from __future__ import annotations
 
 
 class StepBudget:
-    """Running estimates of a decode-only step's time and of one prompt token's time within a step.
+    """A step's time as fixed + per single-query row + per chunk token, fitted by least squares over
+    recent steps (older ones weigh less). Under a steady queue every step carries a chunk, so the fit
+    cannot wait for decode-only steps: it takes all of them.
 
-    Invariant: `tokens(n)` lies in [floor, cap] (at least n, one token per running stream), and equals
-    `floor` until both a decode-only step and a step with a chunk have been measured.
+    Invariant: `tokens(n)` lies in [max(floor, n), cap] when n <= cap, and equals max(floor, n) until the
+    fit has seen steps with rows and steps with chunks.
     """
 
-    SMOOTHING = 0.2  # weight of the newest measurement in each running estimate
+    DECAY = 0.95  # weight of a step one step older: about the last twenty steps count
+    RIDGE = 1e-6  # keeps the fit defined before the steps tell every cost apart
 
     def __init__(self, stretch: float, floor: int, cap: int) -> None:
         self.stretch, self.floor, self.cap = stretch, floor, cap
-        self.decode_s: float | None = None  # a decode-only step
-        self.token_s: float | None = None  # one prompt token more in a step
+        self.xx = [[0.0] * 3 for _ in range(3)]  # weighted sums of x xᵀ, x = (1, rows, tokens)
+        self.xt = [0.0] * 3  # weighted sums of x · seconds
+        self.seen_rows = self.seen_tokens = False
 
     def observe(self, decode_rows: int, chunk_tokens: int, seconds: float) -> None:
         """One step's composition (single-query rows, tokens of multi-token chunks) and its time."""
-        if chunk_tokens == 0:
-            self.decode_s = self._mix(self.decode_s, seconds)
-        elif self.decode_s is not None or decode_rows == 0:
-            extra = seconds - (self.decode_s or 0.0) if decode_rows else seconds
-            self.token_s = self._mix(self.token_s, max(extra, 0.0) / chunk_tokens)
+        x = (1.0, float(decode_rows), float(chunk_tokens))
+        for i in range(3):
+            self.xt[i] = self.DECAY * self.xt[i] + x[i] * seconds
+            for j in range(3):
+                self.xx[i][j] = self.DECAY * self.xx[i][j] + x[i] * x[j]
+        self.seen_rows |= decode_rows > 0
+        self.seen_tokens |= chunk_tokens > 0
+
+    def costs(self) -> tuple[float, float, float] | None:
+        """Seconds of a step: fixed, per row, per chunk token; None until both kinds of work were seen."""
+        if not (self.seen_rows and self.seen_tokens):
+            return None
+        a = [
+            [self.xx[i][j] + (self.RIDGE if i == j else 0.0) for j in range(3)] + [self.xt[i]]
+            for i in range(3)
+        ]
+        for c in range(3):  # Gauss-Jordan with partial pivoting on the 3x3 normal equations
+            p = max(range(c, 3), key=lambda r: abs(a[r][c]))
+            a[c], a[p] = a[p], a[c]
+            if abs(a[c][c]) < 1e-12:
+                return None
+            for r in range(3):
+                if r != c:
+                    f = a[r][c] / a[c][c]
+                    a[r] = [v - f * w for v, w in zip(a[r], a[c])]
+        return a[0][3] / a[0][0], a[1][3] / a[1][1], a[2][3] / a[2][2]
 
     def tokens(self, running: int) -> int:
-        if self.decode_s is None or not self.token_s:
-            return max(self.floor, running)
-        room = (self.stretch - 1.0) * self.decode_s / self.token_s
-        return int(min(self.cap, max(self.floor, running + room, running)))
-
-    def _mix(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.SMOOTHING * (new - old)
+        low = max(self.floor, running)
+        costs = self.costs()
+        if costs is None:
+            return min(low, self.cap)
+        fixed, per_row, per_token = costs
+        decode_step = fixed + per_row * running
+        if per_token <= 0 or decode_step <= 0:
+            return min(low, self.cap)
+        room = (self.stretch - 1.0) * decode_step / per_token
+        return int(min(self.cap, max(low, running + room)))

@@ -6,20 +6,37 @@ from hypothesis import strategies as st
 from engine.step_budget import StepBudget
 
 
+def steps(per_token: float, with_decode_only: bool) -> list[tuple[int, int, float]]:
+    """Steps of a machine whose step takes 10 ms + 2 ms a row + `per_token` a chunk token."""
+    shapes = [(rows, tokens) for rows in (0, 4, 9, 16, 25, 40, 64) for tokens in (0, 48, 150, 300)]
+    shapes = [(r, t) for r, t in shapes if (r or t) and (t or with_decode_only)]
+    return [(r, t, 0.010 + 0.002 * r + per_token * t) for r, t in shapes]
+
+
 def test_a_chunk_may_stretch_a_step_to_the_ratio_of_a_decode_step():
     b = StepBudget(stretch=4.0, floor=64, cap=1024)
     assert b.tokens(16) == 64  # nothing measured yet
-    b.observe(16, 0, 0.050)  # 16 streams decode in 50 ms
+    b.observe(16, 0, 0.042)
     assert b.tokens(16) == 64  # a chunk's cost not yet known
-    b.observe(16, 48, 0.098)  # 48 prompt tokens added 48 ms: 1 ms each
-    # 3 x 50 ms of room at 1 ms a token, beside the 16 decodes.
-    assert b.tokens(16) == 16 + 150
-    # A machine twice as fast per prompt token gets twice the room.
-    for _ in range(60):
-        b.observe(16, 0, 0.050)
-        b.observe(16, 100, 0.100)
-    assert abs(b.tokens(16) - (16 + 300)) <= 2
+    for step in steps(0.001, with_decode_only=True):
+        b.observe(*step)
+    fixed, per_row, per_token = b.costs()
+    assert abs(fixed - 0.010) < 1e-3 and abs(per_row - 0.002) < 1e-4 and abs(per_token - 0.001) < 1e-5
+    # 3 x (10 + 32) ms of room at 1 ms a token, beside the 16 decodes.
+    assert abs(b.tokens(16) - (16 + 126)) <= 1
     assert b.tokens(2000) == 1024  # never past the step's own budget
+
+
+def test_the_fit_needs_no_decode_only_step_and_follows_the_machine():
+    """Under a steady queue every step carries a chunk; a machine twice as fast per prompt token gets
+    twice the room."""
+    slow, fast = StepBudget(4.0, 64, 4096), StepBudget(4.0, 64, 4096)
+    for step in steps(0.001, with_decode_only=False):
+        slow.observe(*step)
+    for step in steps(0.0005, with_decode_only=False):
+        fast.observe(*step)
+    assert abs(slow.tokens(64) - (64 + 414)) <= 2
+    assert abs(fast.tokens(64) - (64 + 828)) <= 4
 
 
 @given(

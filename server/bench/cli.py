@@ -115,9 +115,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             vllm_python = vllm_cpu.python(args.vllm_python) if args.compare else None
             flags = engine_flags(args) + (["--api-key", args.api_key] if args.api_key else [])
+            headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
             with bench_serve.launch(args.launch or None, flags) as (url, _):
                 result = serve_run(url)
-                card = bench_serve.model_card(url, {"Authorization": f"Bearer {args.api_key}"})
+                card = bench_serve.model_card(url, headers)
             if vllm_python:
                 dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
                 threads = args.num_threads or len(os.sched_getaffinity(0))

@@ -7,6 +7,8 @@ times the time of a decode-only step of the same streams, whatever the machine c
 
 from __future__ import annotations
 
+import numpy as np
+
 
 class StepBudget:
     """A step's time as fixed + per single-query row + per chunk token, fitted by least squares over
@@ -22,17 +24,15 @@ class StepBudget:
 
     def __init__(self, stretch: float, floor: int, cap: int) -> None:
         self.stretch, self.floor, self.cap = stretch, floor, cap
-        self.xx = [[0.0] * 3 for _ in range(3)]  # weighted sums of x xᵀ, x = (1, rows, tokens)
-        self.xt = [0.0] * 3  # weighted sums of x · seconds
+        self.xx = np.zeros((3, 3))  # weighted sums of x xᵀ, x = (1, rows, tokens)
+        self.xt = np.zeros(3)  # weighted sums of x · seconds
         self.seen_rows = self.seen_tokens = False
 
     def observe(self, decode_rows: int, chunk_tokens: int, seconds: float) -> None:
         """One step's composition (single-query rows, tokens of multi-token chunks) and its time."""
-        x = (1.0, float(decode_rows), float(chunk_tokens))
-        for i in range(3):
-            self.xt[i] = self.DECAY * self.xt[i] + x[i] * seconds
-            for j in range(3):
-                self.xx[i][j] = self.DECAY * self.xx[i][j] + x[i] * x[j]
+        x = np.array([1.0, decode_rows, chunk_tokens])
+        self.xx = self.DECAY * self.xx + np.outer(x, x)
+        self.xt = self.DECAY * self.xt + x * seconds
         self.seen_rows |= decode_rows > 0
         self.seen_tokens |= chunk_tokens > 0
 
@@ -40,20 +40,8 @@ class StepBudget:
         """Seconds of a step: fixed, per row, per chunk token; None until both kinds of work were seen."""
         if not (self.seen_rows and self.seen_tokens):
             return None
-        a = [
-            [self.xx[i][j] + (self.RIDGE if i == j else 0.0) for j in range(3)] + [self.xt[i]]
-            for i in range(3)
-        ]
-        for c in range(3):  # Gauss-Jordan with partial pivoting on the 3x3 normal equations
-            p = max(range(c, 3), key=lambda r: abs(a[r][c]))
-            a[c], a[p] = a[p], a[c]
-            if abs(a[c][c]) < 1e-12:
-                return None
-            for r in range(3):
-                if r != c:
-                    f = a[r][c] / a[c][c]
-                    a[r] = [v - f * w for v, w in zip(a[r], a[c])]
-        return a[0][3] / a[0][0], a[1][3] / a[1][1], a[2][3] / a[2][2]
+        fixed, per_row, per_token = np.linalg.solve(self.xx + self.RIDGE * np.eye(3), self.xt)
+        return float(fixed), float(per_row), float(per_token)
 
     def tokens(self, running: int) -> int:
         low = max(self.floor, running)

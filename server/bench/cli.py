@@ -84,9 +84,6 @@ def run(args: argparse.Namespace) -> int:
         )
         print(bench_latency.format_report(result))
     elif args.bench == "serve":
-        import torch
-
-        from compiled.loader import resolve_dtype
         from server.bench import serve as bench_serve
         from server.bench import vllm_cpu
 
@@ -120,6 +117,10 @@ def run(args: argparse.Namespace) -> int:
                 result = serve_run(url)
                 card = bench_serve.model_card(url, headers)
             if vllm_python:
+                import torch
+
+                from compiled.loader import resolve_dtype
+
                 dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
                 threads = args.num_threads or len(os.sched_getaffinity(0))
                 result = bench_serve.against_vllm(result, card, dtype, threads, vllm_python, serve_run)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -99,11 +98,10 @@ def offline(
 def serve_command(
     python_path: str, kiln_model_dir: str, port: int, name: str, dtype: str, max_model_len: int, threads: int
 ) -> list[str]:
-    """`vllm serve` on 127.0.0.1:`port` as the peers' README runs it."""
-    vllm = str(Path(python_path).with_name("vllm"))
-    if not Path(vllm).exists():
-        vllm = shutil.which("vllm") or vllm
+    """`vllm serve` on 127.0.0.1:`port` as the peers' README runs it, by the peer's own Python."""
     args = [
+        "-m",
+        "vllm.entrypoints.cli.main",
         "serve",
         kiln_model_dir,
         "--host",
@@ -119,4 +117,4 @@ def serve_command(
         "--generation-config",
         "vllm",
     ]
-    return command(vllm, args, threads)
+    return command(python_path, args, threads)

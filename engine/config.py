@@ -38,10 +38,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     ] = "none"
     max_model_len: Annotated[int | None, _help("context length (default: the model's)")] = None
     block_size: Annotated[int, _help("tokens per KV-cache block")] = 16
-    max_num_seqs: Annotated[int, _help("sequences one step may compute")] = 64
+    max_num_seqs: Annotated[
+        int | None, _help("sequences one step may compute (default: 256 offline, 64 when serving)")
+    ] = None
     max_num_batched_tokens: Annotated[
         int | None,
-        _help("tokens one step may compute (default: 1024 on CPU, 8192 on CUDA or without chunked prefill)"),
+        _help(
+            "tokens one step may compute (default: 4096 offline and 1024 serving on CPU, 8192 on CUDA or "
+            "without chunked prefill)"
+        ),
     ] = None
     max_num_batched_tokens_decoding: Annotated[
         int | None,
@@ -113,7 +118,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         budget = self.max_num_batched_tokens
         checks = [
             (self.block_size in (8, 16, 32, 64, 128), "block_size", "must be one of 8, 16, 32, 64, 128"),
-            (self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1"),
+            (self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1"),
             (self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1"),
             (self.data_parallel_size >= 1, "data_parallel_size", "must be at least 1"),
             (
@@ -154,12 +159,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 raise ValueError(f"{field} {message} (got {getattr(self, field)!r})")
 
     def resolved(self, on_cuda: bool) -> EngineConfig:
-        """This config with its None step budgets filled in for the device the engine runs on."""
+        """This config with its None step limits filled in for its usage and the device the engine runs on."""
+        offline = self.usage == "offline"
+        # Offline, wider decode batches finish a batch sooner (BENCHMARKS.md); serving, each step holds
+        # every running stream's next token, and a wider step holds them longer.
+        seqs = self.max_num_seqs or (256 if offline else 64)
         budget = self.max_num_batched_tokens
         if budget is None:
-            # A CPU step computes ~500 tokens/s; without chunked prefill a prompt must fit one step.
-            budget = 1024 if self.enable_chunked_prefill and not on_cuda else 8192
-            budget = max(budget, self.max_num_seqs)  # room for every sequence's decode
+            # A CPU step computes ~1000 tokens/s; without chunked prefill a prompt must fit one step.
+            budget = (4096 if offline else 1024) if self.enable_chunked_prefill and not on_cuda else 8192
+            budget = max(budget, seqs)  # room for every sequence's decode
         decoding = self.max_num_batched_tokens_decoding
         serving = self.usage == "serving" and self.enable_chunked_prefill
         if decoding is None:
@@ -172,6 +181,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         measured = serving and self.max_num_batched_tokens_decoding is None and not on_cuda and not overlap
         return msgspec.structs.replace(
             self,
+            max_num_seqs=seqs,
             max_num_batched_tokens=budget,
             max_num_batched_tokens_decoding=decoding,
             async_scheduling=overlap,

@@ -308,7 +308,8 @@ def serve(
     from engine.config import EngineConfig
 
     engine_args = dict(engine_args or {})
-    c = EngineConfig(model=model, **engine_args)  # bad engine flags fail here, before anything starts
+    # Bad engine flags fail here, before anything starts.
+    c = EngineConfig(model=model, **{"usage": "serving", **engine_args})
     try:
         sock = _bind(host, port)
     except OSError as e:
@@ -369,7 +370,8 @@ def serve(
             tool_call_parser,
         )
         serving = app.state.server
-        config = uvicorn_config(app, c.max_num_seqs + c.max_pending_requests + 256, log_level)
+        seqs = c.resolved(on_cuda=False).max_num_seqs  # the device does not change it
+        config = uvicorn_config(app, seqs + c.max_pending_requests + 256, log_level)
         server = _Server(config)
         server.run(sockets=[sock])
         if server.exit_code:

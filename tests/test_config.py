@@ -40,7 +40,12 @@ def test_flags_round_trip_into_the_config():
 def test_budgets_resolve_for_the_device():
     offline, serving = EngineConfig(), EngineConfig(usage="serving")
     assert offline.max_num_batched_tokens is None  # left to the engine core, which knows the device
-    assert offline.resolved(on_cuda=False).max_num_batched_tokens == 1024
+    assert offline.max_num_seqs is None
+    # Offline steps are as wide as vLLM's LLM defaults; serving ones narrower, for inter-token latency.
+    assert (offline.resolved(on_cuda=False).max_num_seqs, serving.resolved(on_cuda=False).max_num_seqs) == (256, 64)
+    assert offline.resolved(on_cuda=False).max_num_batched_tokens == 4096
+    assert serving.resolved(on_cuda=False).max_num_batched_tokens == 1024
+    assert EngineConfig(max_num_seqs=3).resolved(on_cuda=False).max_num_seqs == 3
     assert offline.resolved(on_cuda=True).max_num_batched_tokens == 8192
     assert offline.resolved(on_cuda=False).max_num_batched_tokens_decoding == 0
     assert serving.resolved(on_cuda=False).max_num_batched_tokens_decoding == 64
@@ -54,7 +59,7 @@ def test_budgets_resolve_for_the_device():
     ):
         assert fixed.resolved(on_cuda=False).step_stretch == 0
     assert serving.resolved(on_cuda=True).step_stretch == 0
-    assert EngineConfig(max_num_seqs=2000).resolved(on_cuda=False).max_num_batched_tokens == 2000
+    assert EngineConfig(max_num_seqs=5000).resolved(on_cuda=False).max_num_batched_tokens == 5000
     assert EngineConfig(enable_chunked_prefill=False).resolved(on_cuda=False).max_num_batched_tokens == 8192
 
 

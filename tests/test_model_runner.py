@@ -112,13 +112,23 @@ def test_bfloat16_decode_matches_transformers(tiny_llama):
     check(so)
 
 
-def test_lm_head_rows_run_on_the_packed_weight_on_cpu(tiny_llama):
-    runner = build_runner(tiny_llama, dtype="float32", max_num_seqs=4, num_kv_blocks=8, enforce_eager=True)
-    assert (runner.model.packed_output is not None) == torch.backends.mkldnn.is_available()
-    hidden = torch.randn(5, 64)
-    expected = hidden @ runner.model.output.weight.T
-    torch.testing.assert_close(runner.model.compute_logits(hidden), expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(runner.model.compute_logits(hidden[:1]), expected[:1], rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lm_head_rows_run_on_the_packed_weight_on_cpu(tiny_llama, dtype):
+    from compiled.models.llama import cpu_matmul_dtype
+
+    runner = build_runner(tiny_llama, dtype=dtype, max_num_seqs=4, num_kv_blocks=8, enforce_eager=True)
+    packed = runner.model.packed_output
+    assert (packed is not None) == torch.backends.mkldnn.is_available()
+    weight = runner.model.output.weight
+    if packed is not None:  # packed in the dtype the matmul runs in on this CPU
+        assert packed.dtype == cpu_matmul_dtype(weight.dtype)
+    hidden = torch.randn(5, 64).to(weight.dtype)
+    expected = hidden.float() @ weight.float().T
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    logits = runner.model.compute_logits(hidden)
+    assert logits.dtype == torch.float32 and logits.is_contiguous()  # row maxima read rows
+    torch.testing.assert_close(logits, expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(runner.model.compute_logits(hidden[:1]), expected[:1], rtol=tol, atol=tol)
 
 
 @pytest.mark.slow

@@ -293,26 +293,25 @@ class Transformer(nn.Module):
         parallelism every rank computes its vocabulary shard and rank 0 gets them all (None elsewhere)."""
         if self.packed_output is not None and hidden.shape[0] > 1:
             logits = torch.ops.mkldnn._linear_pointwise(
-                hidden.float(), self.packed_output, None, "none", [], ""
-            )
+                hidden.to(self.packed_output.dtype), self.packed_output, None, "none", [], ""
+            ).float()
         else:
             logits = self.output(hidden, weight_left=True).float()
         return logits if self.args.tp_size == 1 else parallel.gather_vocab(logits, self.args.vocab_size)
 
     def pack_output(self) -> None:
         """On CPU, LM heads of several rows run through oneDNN on a copy of the weight packed once, the
-        largest matmul of a decode step (BENCHMARKS.md). The copy is float32: on CPUs without bfloat16
-        arithmetic the matmuls run in float32 anyway, and it spares converting the weight every step.
-        One row keeps the compiled matrix-vector reduction, faster still."""
+        largest matmul of a decode step (BENCHMARKS.md). The copy is in the dtype the matmul runs in:
+        float32 on CPUs without bfloat16 arithmetic, which spares converting the weight every step. Its
+        logits come out row-major, which the sampler's row maxima read several times faster than the
+        transposed product. One row keeps the compiled matrix-vector reduction, faster still."""
         w = getattr(self.output, "weight", None)  # a quantized head has none: it stays packed
-        if (
-            w is not None
-            and w.device.type == "cpu"
-            and torch.backends.mkldnn.is_available()
-            and cpu_matmul_dtype(w.dtype) == torch.float32
-        ):
+        if w is None or w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+            return
+        dtype = cpu_matmul_dtype(w.dtype)
+        if dtype in (torch.float32, torch.bfloat16):
             # The row-count hint hardly matters: packed for 8, 32 or 64 rows, every count ran alike.
-            self.packed_output = torch.ops.mkldnn._reorder_linear_weight(w.detach().float(), 64)
+            self.packed_output = torch.ops.mkldnn._reorder_linear_weight(w.detach().to(dtype), 64)
 
     def use_fused_kernels(self, row_blocks: int) -> None:
         """The formulations that are fast once Inductor fuses them (eagerly they would materialise large

@@ -42,7 +42,8 @@ def test_budgets_resolve_for_the_device():
     assert offline.max_num_batched_tokens is None  # left to the engine core, which knows the device
     assert offline.max_num_seqs is None
     # Offline steps are as wide as vLLM's LLM defaults; serving ones narrower, for inter-token latency.
-    assert (offline.resolved(on_cuda=False).max_num_seqs, serving.resolved(on_cuda=False).max_num_seqs) == (256, 64)
+    assert offline.resolved(on_cuda=False).max_num_seqs == 256
+    assert serving.resolved(on_cuda=False).max_num_seqs == 64
     assert offline.resolved(on_cuda=False).max_num_batched_tokens == 4096
     assert serving.resolved(on_cuda=False).max_num_batched_tokens == 1024
     assert EngineConfig(max_num_seqs=3).resolved(on_cuda=False).max_num_seqs == 3

@@ -34,6 +34,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._inductor import inductor_prims
 
 
 class AttentionMetadata(NamedTuple):
@@ -119,6 +120,9 @@ def decode_attention_reduction(
     Inductor fuses the indirect loads into them and never materialises the gathered K/V (eagerly this
     would build a [B, W, Hkv, bs, D] product)."""
     B, H, D = q.shape
+    # q in a buffer of its own: Inductor would otherwise inline its producer (RoPE over the projection's
+    # transposed output) into the score loop and compute it again for every page.
+    q = inductor_prims.force_stride_order(q, (H * D, D, 1))
     q, valid = _decode_setup(q, v_cache, block_tables, seq_lens)
     Hkv, G, bs = q.shape[1], q.shape[2], v_cache.shape[3]
     W = block_tables.shape[1]

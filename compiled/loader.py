@@ -25,6 +25,7 @@ from compiled.models.llama import CPU_HAS_FAST_BF16, Linear, ModelArgs, Transfor
 from compiled.parallel import Split
 from compiled.quant import (
     GGUF_BLOCK,
+    TILE,
     PackedWeight,
     QuantEmbedding,
     Quantized,
@@ -295,6 +296,10 @@ def _dequantize(name: str, kind: str, kind_id: int, raw: np.ndarray, count: int)
 def _place(model: Transformer, name: str, value: torch.Tensor | Quantized, dtype, device) -> None:
     module_name, _, attr = name.rpartition(".")
     module = model.get_submodule(module_name)
+    if isinstance(value, Quantized) and value.q.shape[0] % TILE:
+        rows = len(value.q)
+        logger.warning("%s: %d rows do not fill tiles of %d; computing it de-quantized", name, rows, TILE)
+        value = value.dequantize()
     if not isinstance(value, Quantized):
         setattr(module, attr, nn.Parameter(value.to(device=device, dtype=dtype), requires_grad=False))
         return

@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from compiled.loader import _dequantize
+from compiled.loader import _dequantize, _place
+from compiled.models.llama import Linear
 from compiled.quant import INDUCTOR_OPTIONS, PackedWeight, from_gguf, quantize
 from engine import LLM
 from engine.config import EngineConfig
@@ -48,6 +49,15 @@ def test_packed_kernels_compute_the_dequantized_product(method):
     matvec = torch.compile(packed.matvec, options=INDUCTOR_OPTIONS, dynamic=False)
     for y in (packed.matvec(x), matvec(x)):
         torch.testing.assert_close(y, x @ dense.T, rtol=1e-5, atol=1e-5)
+
+
+def test_a_weight_whose_rows_do_not_fill_tiles_is_computed_dequantized(caplog):
+    model = torch.nn.Module()
+    model.proj = Linear(64, 24, bias=False)
+    q = quantize(torch.randn(24, 64), "int4")
+    _place(model, "proj.weight", q, torch.float32, torch.device("cpu"))
+    assert type(model.proj) is Linear and torch.equal(model.proj.weight, q.dequantize())
+    assert "proj.weight: 24 rows do not fill tiles of 16" in caplog.text
 
 
 def test_bad_quantization_is_refused_before_the_engine_starts(tiny_llama):

@@ -8,7 +8,7 @@ Packed layout (`PackedWeight`): rows in tiles of `TILE`, the tile's rows side by
 a one-row product is a reduction Inductor vectorises across the tile's rows with whole-vector loads;
 the fields of a row lie in int32 words in order (field `k` of a row: word k // per_word, bits
 (k % per_word) * bits). Scales and mins are float32 in the same tiling: half-precision ones ran
-slower. Several rows (prefill, decode batches) de-quantize the weight and take the float path.
+slower. Several rows (prefill, decode batches) de-quantize the weight slice by slice for the matmul.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from torch import Tensor, nn
 from compiled.models.llama import Linear, cpu_matmul_dtype
 
 TILE = 16  # rows per tile: one AVX-512 vector of float32, two AVX2 ones (eight ran 20x slower on AVX-512)
+# Several rows de-quantize this many weight rows at a time: a slice stays in cache for its matmul, and
+# the kernel's loads stay within few pages (the LM head whole ran 5-15x slower a weight).
+CHUNK_ROWS = 2048
 INT4_GROUP = 32
 INT8_GROUP = 64  # one scale per output channel cost 2.7 % perplexity on SmolLM2, groups of 64 none
 # Inductor would store the sum over a word's fields to memory and read it back (it realises a node
@@ -138,22 +141,24 @@ class PackedWeight(nn.Module):
         self.scale = nn.Parameter(_tile(w.scale.float()), requires_grad=False)
         self.min = nn.Parameter(_tile(w.min.float()), requires_grad=False)
 
-    def kn(self) -> Tensor:
-        """De-quantized and transposed, [K, N] float32: written that way, Inductor's kernel reads and
-        writes whole tile rows, and `x @ kn()` is the plain matmul BLAS runs fastest."""
-        tiles, words, lanes = self.words.shape
+    def kn(self, start: int = 0, stop: int | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Tiles start:stop de-quantized and transposed, [K, rows]: `x @ kn()` is the plain matmul
+        BLAS runs fastest. The kernel loops over (column, tile, lane), so every load and store is a
+        whole tile row; indexed by flat (column, row) instead, Inductor gathered lane by lane (10x slower)."""
+        words, scale, mn = (t[start:stop] for t in (self.words, self.scale, self.min))
+        tiles, count, lanes = words.shape
         per_word, mask = 32 // self.bits, (1 << self.bits) - 1
-        n = tiles * lanes
 
-        def spread(t: Tensor, rep: int) -> Tensor:  # [T, C, TILE] -> [C * rep, N]: each row rep times
+        def spread(t: Tensor, rep: int) -> Tensor:  # [T, C, TILE] -> [C * rep, T, TILE]: each C rep times
             c = t.shape[1]
-            return t.permute(1, 0, 2)[:, None].expand(c, rep, tiles, lanes).reshape(c * rep, n)
+            return t.permute(1, 0, 2)[:, None].expand(c, rep, tiles, lanes).reshape(c * rep, tiles, lanes)
 
-        shifts = (torch.arange(per_word, device=self.words.device, dtype=torch.int32) * self.bits).repeat(
-            words
-        )
-        fields = ((spread(self.words.view(torch.int32), per_word) >> shifts[:, None]) & mask).float()
-        return fields * spread(self.scale, self.group) + spread(self.min, self.group)
+        shifts = torch.arange(per_word, device=words.device, dtype=torch.int32) * self.bits
+        fields = (
+            (spread(words.view(torch.int32), per_word) >> shifts.repeat(count)[:, None, None]) & mask
+        ).float()
+        w = fields * spread(scale, self.group) + spread(mn, self.group)
+        return w.to(dtype).view(-1, tiles * lanes)
 
     def rows(self, index: Tensor) -> Tensor:
         """De-quantized rows [len(index), K] float32: an embedding lookup."""
@@ -213,7 +218,9 @@ class QuantLinear(Linear):
             return self.matvec(x)
         dtype = x.dtype
         mm = cpu_matmul_dtype(dtype) if x.device.type == "cpu" else dtype
-        y = x.to(mm) @ self.packed.kn().to(mm)
+        x, step = x.to(mm), CHUNK_ROWS // TILE
+        tiles = self.packed.words.shape[0]
+        y = torch.cat([x @ self.packed.kn(t, t + step, mm) for t in range(0, tiles, step)], -1)
         return (y if self.bias is None else y + self.bias.to(mm)).to(dtype)
 
     def matvec(self, x: Tensor) -> Tensor:

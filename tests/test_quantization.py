@@ -7,9 +7,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from compiled import quant
 from compiled.loader import _dequantize, _place
 from compiled.models.llama import Linear
-from compiled.quant import INDUCTOR_OPTIONS, PackedWeight, from_gguf, quantize
+from compiled.quant import INDUCTOR_OPTIONS, PackedWeight, QuantLinear, from_gguf, quantize
 from engine import LLM
 from engine.config import EngineConfig
 from server.bench.driver import RunnerDriver, build_runner, chat_prompts, greedy_mismatches
@@ -36,13 +37,17 @@ def test_an_unreadable_block_type_names_the_tensor():
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_packed_kernels_compute_the_dequantized_product(method):
+def test_packed_kernels_compute_the_dequantized_product(method, monkeypatch):
     torch.manual_seed(0)
     w = torch.randn(48, 128)
     q = quantize(w, method)
     dense, packed = q.dequantize(), PackedWeight(q)
     assert (dense - w).abs().max() <= (0.5 if method == "int4" else 0.05) * w.abs().max()
     assert torch.equal(packed.kn().T, dense)
+    assert torch.equal(packed.kn(1, 3, torch.bfloat16).T, dense[16:48].bfloat16())
+    monkeypatch.setattr(quant, "CHUNK_ROWS", 32)  # several rows take the weight in two slices
+    rows = torch.randn(3, 128)
+    torch.testing.assert_close(QuantLinear(packed, None)(rows), rows @ dense.T, rtol=1e-5, atol=1e-5)
     ids = torch.tensor([0, 7, 8, 47])
     assert torch.equal(packed.rows(ids), dense[ids])
     x = torch.randn(1, 128)

@@ -35,6 +35,9 @@ WARMUP_CHUNK = 64  # tokens of the multi-token chunks the warm-up runs; graphs a
 WARMUP_CONTEXT = 512
 # One-row products reduce this many row blocks side by side, an accumulator each (CPU; CUDA unmeasured).
 CPU_ROW_BLOCKS = 4
+# Quantized decode steps of up to this many rows (CPU) take the fused reduction, which reads the packed
+# weight once for all rows: past it, de-quantizing for the matmul costs less than the rows' unpacking.
+FEW_QUANTIZED_ROWS = 8
 # CUDA-graph trees run a new shape eagerly, record it on its second call and replay it from the third.
 CUDA_GRAPH_RUNS = 3
 CUDA_DECODE = dict(mode="reduce-overhead", fullgraph=True)  # the whole decode forward, one CUDA graph
@@ -87,11 +90,14 @@ class CompilePolicy:
         self.model, self.device, self.eager = model, device, enforce_eager
         self.prefill_forward: Callable[..., Tensor] = model.forward
         self.decode_forward: Callable[..., Tensor] = model.forward
-        self.decode_graphs: dict[bool, Callable] = {}  # one row or more -> how its layers run
+        self.decode_graphs: dict[str, Callable] = {}  # kind of decode step -> how its layers run
+        self.few_rows = 1  # decode steps of at most this many rows are of their own kind
         if enforce_eager:
             return
         model.use_fused_kernels(CPU_ROW_BLOCKS if device.type == "cpu" else 1)
         quantized = any(isinstance(m, quant.PackedWeight) for m in model.modules())
+        if quantized and device.type == "cpu":
+            self.few_rows = FEW_QUANTIZED_ROWS
         # Guards stay on module attributes and weights: they tell two models of one process apart.
         for module in [*model.layers, model.output]:  # the LM head too: one more weight stream per step
             # A copy each: torch.compile takes guard_filter_fn out of the dict it is given.
@@ -129,8 +135,9 @@ class CompilePolicy:
         rows = min(2, batch.buckets[-1])  # decode rows beside the chunks: padded to two either way
         prefill = [WarmupStep(rows, (chunk,), context, 1), WarmupStep(rows, (chunk, 2), context, 1)]
         if self.device.type != "cuda":
-            # One row and more are the only CPU decode graphs; their width is a dynamic size.
-            return [WarmupStep(b, (), context, 1) for b in batch.buckets[:2]] + prefill
+            # A graph per kind of decode step (one row, a few, more); their width is a dynamic size.
+            kinds = {self._decode_kind(b): b for b in reversed(batch.buckets)}
+            return [WarmupStep(b, (), context, 1) for b in sorted(kinds.values())] + prefill
         # Each (bucket, width class) is a CUDA graph of its own, captured here.
         return [
             WarmupStep(b, (), min(w * batch.block_size, max_model_len), CUDA_GRAPH_RUNS)
@@ -139,13 +146,25 @@ class CompilePolicy:
         ] + prefill
 
     def forward(self, decode_only: bool) -> Callable[..., Tensor]:
-        return self.decode_forward if decode_only else self.prefill_forward
+        return self._decode if decode_only else self._prefill
+
+    def _decode_kind(self, rows: int) -> str:
+        return "one" if rows == 1 else "few" if rows <= self.few_rows else "more"
+
+    def _prefill(self, token_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+        quant.QuantLinear.few_rows = False
+        return self.prefill_forward(token_ids, positions, meta)
+
+    def _decode(self, token_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+        # Read by the layers as they trace: each kind of step gets graphs of its own.
+        quant.QuantLinear.few_rows = self._decode_kind(token_ids.shape[0]) == "few"
+        return self.decode_forward(token_ids, positions, meta)
 
     def _decode_guard_free(self, token_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
-        """CPU decode: every layer through the graph of its kind of step (one row, or more), no guards.
+        """CPU decode: every layer through the graph of its kind of step (one row, a few, more), no guards.
         The first decode step of a kind (in the warm-up) runs through Dynamo and looks the graph up."""
-        one_row = token_ids.shape[0] == 1
-        graph = self.decode_graphs.get(one_row)
+        kind = self._decode_kind(token_ids.shape[0])
+        graph = self.decode_graphs.get(kind)
         if graph is not None:
             return self.model.forward(token_ids, positions, meta, block=graph)
         seen: list[tuple] = []
@@ -158,12 +177,11 @@ class CompilePolicy:
         graph = guard_free.GuardFreeGraph.lookup(TransformerBlock.forward, *seen[-1])
         if graph is None:
             logger.warning(
-                "decode steps of %s rows keep Dynamo's guarded calls: it compiled no graph for them",
-                "one" if one_row else "several",
+                "decode steps of %s rows keep Dynamo's guarded calls: it compiled no graph for them", kind
             )
         else:
             graph.go_direct(lambda wrapped, direct: _same_layer_step(wrapped, direct, *seen[-1]))
-        self.decode_graphs[one_row] = graph or _guarded_block
+        self.decode_graphs[kind] = graph or _guarded_block
         return hidden
 
 

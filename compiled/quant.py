@@ -173,24 +173,27 @@ class PackedWeight(nn.Module):
         return fields.float() * scale.repeat_interleave(self.group, 1) + mn.repeat_interleave(self.group, 1)
 
     def matvec(self, x: Tensor) -> Tensor:
-        """One row [1, K] -> [1, N] float32: each word's fields are masked in place and their inputs
-        scaled by the matching power of two (exact), then sum(scale * sum_fields + min * sum_x)."""
+        """A few rows [M, K] -> [M, N] float32: each word's fields are masked in place and their inputs
+        scaled by the matching power of two (exact), then sum(scale * sum_fields + min * sum_x). Rows
+        lie inside tiles ([T, M, TILE]), so a tile's words are read once from memory for all rows."""
         per_word, bits = 32 // self.bits, self.bits
         mask = (1 << bits) - 1
-        xf = x.float().view(-1, per_word)  # [W, per_word]
+        m = x.shape[0]
+        xf = x.float().view(m, -1, per_word)  # [M, W, per_word]
         x_sum = xf.sum(-1)
         shift = torch.tensor([2.0 ** (-bits * i) for i in range(per_word - 1)] + [1.0], device=x.device)
-        xs = torch.ops.prims.inductor_force_stride_order(xf * shift, (per_word, 1))
+        xs = torch.ops.prims.inductor_force_stride_order(xf * shift, (xf.shape[1] * per_word, per_word, 1))
         w = self.words.view(torch.int32)
         inner = None
         for i in range(per_word):
             # The top field shifted down: masked in place it would turn the int32 negative.
             field = (w >> (bits * i)) & mask if i == per_word - 1 else w & (mask << (bits * i))
-            term = xs[None, :, i, None] * field.float()
+            term = xs[None, :, :, i, None] * field.float()[:, None]  # [T, M, W, TILE]
             inner = term if inner is None else inner + term
         rep = self.group // per_word
-        y = (_per_word(self.scale, rep) * inner + _per_word(self.min, rep) * x_sum[None, :, None]).sum(1)
-        return y.reshape(1, -1)
+        scale, mn = _per_word(self.scale, rep)[:, None], _per_word(self.min, rep)[:, None]
+        y = (scale * inner + mn * x_sum[None, :, :, None]).sum(2)
+        return y.permute(1, 0, 2).reshape(m, -1)
 
 
 def _tile(t: Tensor) -> Tensor:
@@ -205,7 +208,10 @@ def _per_word(t: Tensor, rep: int) -> Tensor:
 
 
 class QuantLinear(Linear):
-    """A Linear whose weight is packed: one row through the fused kernel, more rows de-quantized."""
+    """A Linear whose weight is packed: one row, or a few (`few_rows`, set by the compile policy for
+    a decode step), through the fused reduction; more rows de-quantized for the matmul."""
+
+    few_rows = False
 
     def __init__(self, packed: PackedWeight, bias: Tensor | None) -> None:
         nn.Module.__init__(self)
@@ -214,7 +220,7 @@ class QuantLinear(Linear):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: Tensor, weight_left: bool = False) -> Tensor:
-        if self.row_blocks and x.shape[0] == 1:
+        if self.row_blocks and (x.shape[0] == 1 or self.few_rows):
             return self.matvec(x)
         dtype = x.dtype
         mm = cpu_matmul_dtype(dtype) if x.device.type == "cpu" else dtype

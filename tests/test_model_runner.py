@@ -156,7 +156,8 @@ def test_greedy_generation_matches_transformers_smollm2(smollm2_dir, smollm2_hf)
     assert greedy_mismatches(runner, smollm2_hf, prompts) == []
 
 
-def test_no_recompile_after_warmup(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_no_recompile_after_warmup(tiny_llama, monkeypatch, quantization):
     # Decode steps skip Dynamo's guards after the warm-up: check them anyway, on every call.
     monkeypatch.setattr(GuardFreeGraph, "check_guards", True)
     torch._dynamo.reset()  # graphs other tests compiled count against Dynamo's recompile limit
@@ -167,11 +168,13 @@ def test_no_recompile_after_warmup(tiny_llama, monkeypatch):
         num_kv_blocks=512,
         max_num_batched_tokens=64,
         max_model_len=256,
+        quantization=quantization,
     )
     runner.initialize_kv_cache(512)
     runner.warmup()
     graphs = runner.policy.decode_graphs
-    assert set(graphs) == {True, False}  # one-row and many-row decode graphs
+    # Decode graphs for one row and for more; quantized, also for a few rows (up to 8).
+    assert set(graphs) == ({"one", "few", "more"} if quantization == "int4" else {"one", "more"})
     assert all(isinstance(g, GuardFreeGraph) for g in graphs.values())
     assert all(g.direct for g in graphs.values())  # straight into Inductor's modules
     torch.manual_seed(0)
@@ -192,7 +195,7 @@ def test_no_recompile_after_warmup(tiny_llama, monkeypatch):
     two = [runner.batch.requests["0"], runner.batch.requests["1"]]
     step = runner.batch.prepare(two, [], {"0": 1, "1": 1})
     with pytest.raises(AssertionError, match="guards"):
-        runner.model(step.token_ids, step.positions, step.meta, block=graphs[True])
+        runner.model(step.token_ids, step.positions, step.meta, block=graphs["one"])
 
 
 def test_step_inputs_are_written_in_place_and_grow():
@@ -225,7 +228,7 @@ def test_decode_falls_back_to_the_wrapped_calls(fallback, tiny_llama, monkeypatc
         drv.step()
     assert len(drv.reqs["a"]["out"]) == 3
     if fallback == "dynamo compiled no graph":
-        assert runner.policy.decode_graphs == {True: compile_policy._guarded_block}
+        assert runner.policy.decode_graphs == {"one": compile_policy._guarded_block}
         assert "keep Dynamo's guarded calls" in caplog.text
     else:
         assert [g.direct for g in runner.policy.decode_graphs.values()] == [False]

@@ -115,6 +115,7 @@ def test_gguf_blocks_match_transformers_smollm2(smollm2_dir, smollm2_hf):
     poison_kv_cache(runner)
     prompts = chat_prompts(AutoTokenizer.from_pretrained(smollm2_dir), 5)
     assert greedy_mismatches(runner, smollm2_hf, prompts, batch_tokens=32, tail_tokens=32) == []
+    assert "few" in runner.policy.decode_graphs  # the decode batches took the fused several-row kernel
 
 
 TEXT = (

@@ -5,10 +5,11 @@ scale and min per group of a row (Q4_0: min = -8 scale; Q8_0 and int8: min = -12
 kernel serves them all and the de-quantized values are exactly the format's own.
 
 Packed layout (`PackedWeight`): rows in tiles of `TILE`, the tile's rows side by side innermost, so
-a one-row product is a reduction Inductor vectorises across the tile's rows with whole-vector loads;
+a product with one or a few rows is a reduction Inductor vectorises across the tile's rows with
+whole-vector loads;
 the fields of a row lie in int32 words in order (field `k` of a row: word k // per_word, bits
 (k % per_word) * bits). Scales and mins are float32 in the same tiling: half-precision ones ran
-slower. Several rows (prefill, decode batches) de-quantize the weight slice by slice for the matmul.
+slower. More rows (prefill, larger decode batches) de-quantize the weight slice by slice for the matmul.
 """
 
 from __future__ import annotations

@@ -50,10 +50,10 @@ def test_packed_kernels_compute_the_dequantized_product(method, monkeypatch):
     torch.testing.assert_close(QuantLinear(packed, None)(rows), rows @ dense.T, rtol=1e-5, atol=1e-5)
     ids = torch.tensor([0, 7, 8, 47])
     assert torch.equal(packed.rows(ids), dense[ids])
-    x = torch.randn(1, 128)
     matvec = torch.compile(packed.matvec, options=INDUCTOR_OPTIONS, dynamic=False)
-    for y in (packed.matvec(x), matvec(x)):
-        torch.testing.assert_close(y, x @ dense.T, rtol=1e-5, atol=1e-5)
+    for x in (torch.randn(1, 128), torch.randn(5, 128)):  # one row, and a few rows inside the tiles
+        for y in (packed.matvec(x), matvec(x)):
+            torch.testing.assert_close(y, x @ dense.T, rtol=1e-5, atol=1e-5)
 
 
 def test_a_weight_whose_rows_do_not_fill_tiles_is_computed_dequantized(caplog):

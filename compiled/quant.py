@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch._inductor import inductor_prims
 
 from compiled.models.llama import Linear, cpu_matmul_dtype
 
@@ -183,7 +184,7 @@ class PackedWeight(nn.Module):
         xf = x.float().view(m, -1, per_word)  # [M, W, per_word]
         x_sum = xf.sum(-1)
         shift = torch.tensor([2.0 ** (-bits * i) for i in range(per_word - 1)] + [1.0], device=x.device)
-        xs = torch.ops.prims.inductor_force_stride_order(xf * shift, (xf.shape[1] * per_word, per_word, 1))
+        xs = inductor_prims.force_stride_order(xf * shift, (xf.shape[1] * per_word, per_word, 1))
         w = self.words.view(torch.int32)
         inner = None
         for i in range(per_word):

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._inductor import inductor_prims
 
 from compiled import parallel
 from compiled.attention import (
@@ -165,7 +166,7 @@ class Linear(nn.Linear):
     def matvec(self, x: Tensor) -> Tensor:
         """One row [1, K] -> [1, N] as `row_blocks` reductions over blocks of the weight's rows."""
         w, b, dtype = self.weight, self.bias, x.dtype
-        x = torch.ops.prims.inductor_force_stride_order(x.float(), x.stride())
+        x = inductor_prims.force_stride_order(x.float(), x.stride())
         n = -(-w.shape[0] // self.row_blocks)
         y = torch.cat(
             [(x[:, None, :] * w[None, i : i + n].float()).sum(-1) for i in range(0, w.shape[0], n)], -1

@@ -102,3 +102,26 @@ def test_prefill_attention_is_a_causal_softmax_below_its_context(form, monkeypat
         scores = scores.masked_fill(torch.ones(m, s + m, dtype=torch.bool).triu(s + 1), float("-inf"))
         expected = torch.einsum("hql,lhd->qhd", scores.softmax(-1), v).float()
         torch.testing.assert_close(out[f : f + m], expected, rtol=1e-5, atol=1e-5)
+
+
+def vma_flags(address: int) -> list[str]:
+    """The kernel's flags for the mapping that holds `address` in this process (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_the_cpu_kv_cache_is_zero_on_pages_advised_huge():
+    k, v = new_kv_cache(256, 16, 3, 64, torch.device("cpu"), torch.bfloat16)  # 3 MiB each
+    for cache in (k, v):
+        assert "hg" in vma_flags(cache.data_ptr())  # MADV_HUGEPAGE reached the kernel for its mapping
+        assert cache.count_nonzero() == 0
+    k[5].fill_(1.0)  # writable, and its own memory
+    assert k.count_nonzero() == k[5].numel() and v.count_nonzero() == 0

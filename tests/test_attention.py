@@ -119,7 +119,7 @@ def vma_flags(address: int) -> list[str]:
 
 
 def test_the_cpu_kv_cache_is_zero_on_pages_advised_huge():
-    k, v = new_kv_cache(256, 16, 3, 64, torch.device("cpu"), torch.bfloat16)  # 3 MiB each
+    k, v = new_kv_cache(256, 16, 3, 64, torch.device("cpu"), torch.bfloat16)  # 1.5 MiB each
     for cache in (k, v):
         assert "hg" in vma_flags(cache.data_ptr())  # MADV_HUGEPAGE reached the kernel for its mapping
         assert cache.count_nonzero() == 0

@@ -27,6 +27,7 @@ tokens of `P` multi-token chunks (fresh prefills, or chunks continuing after cac
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 from collections.abc import Callable
@@ -95,7 +96,7 @@ def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     count = math.prod(shape)
     nbytes = -(-max(count, 1) * dtype.itemsize // mmap.PAGESIZE) * mmap.PAGESIZE
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    with contextlib.suppress(AttributeError, OSError):  # no transparent huge pages: 4 KiB ones, still zero
         mapping.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(mapping, dtype=dtype, count=count).view(shape)  # keeps the mapping alive
 

@@ -8,8 +8,8 @@ its heads one after the other, and each head in slices `c` floats wide, one vect
 walks contiguous memory (the score reduction with a page's positions in the vector lanes, the P·V
 reduction with head_dim in the lanes). Layouts and formulations compared: BENCHMARKS.md.
 Block 0 is the null block: padding tokens write there and padded block-table entries point there.
-The cache is allocated uninitialised (no start-up pass over gigabytes), so every read masks the
-slots a sequence has not written.
+The cache starts zero and is never cleared again: a freed block keeps its last sequence's K/V, so
+every read masks the slots a sequence has not written.
 
 A packed step is split by shape, not by phase: the first `Bd` tokens are sequences with exactly
 one query (decodes, and a prefill whose last token is all that is left), the rest are the query

@@ -54,13 +54,7 @@ class KilnEngine:
 
     def __init__(self, runner: ModelRunner, prefill_len: int) -> None:
         self.runner, self.prefill_len = runner, prefill_len
-        self.driver = RunnerDriver(runner)
-        # The synthetic context reads slots no step wrote. Serving reads only written slots, or fresh pages
-        # (zeros); here they would hold whatever the allocator left, and denormal garbage slows float math
-        # many times over.
-        for layer in runner.model.layers:
-            layer.attention.k_cache.zero_()
-            layer.attention.v_cache.zero_()
+        self.driver = RunnerDriver(runner)  # the synthetic context reads slots no step wrote: zeros
         self.prompt = torch.randint(0, runner.vocab_size, (prefill_len,)).tolist()
         self.prefills = 0
 

@@ -14,7 +14,6 @@ slower. More rows (prefill, larger decode batches) de-quantize the weight slice 
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import numpy as np
@@ -243,18 +242,6 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         return self.packed.rows(ids).to(self.dtype)
-
-
-def keep_freed_memory() -> None:
-    """glibc hands large blocks back to the kernel on free, so the weights de-quantized for a step of
-    several rows land on fresh pages each step and pay a fault per page; kept, steps of 8 rows ran 1.6x
-    faster (BENCHMARKS.md). Elsewhere than glibc this does nothing."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-4, 0)  # M_MMAP_MAX: no allocation gets its own mapping
-        libc.mallopt(-1, 1 << 62)  # M_TRIM_THRESHOLD: never give the heap's top back
-    except (OSError, AttributeError):
-        pass
 
 
 def describe(modules: list[nn.Module]) -> str:

@@ -37,7 +37,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         ),
     ] = "none"
     max_model_len: Annotated[int | None, _help("context length (default: the model's)")] = None
-    block_size: Annotated[int, _help("tokens per KV-cache block")] = 16
+    block_size: Annotated[int | None, _help("tokens per KV-cache block (default: CPU 64, CUDA 16)")] = None
     max_num_seqs: Annotated[
         int | None, _help("sequences one step may compute (default: 256 offline, 64 when serving)")
     ] = None
@@ -117,7 +117,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def __post_init__(self) -> None:
         budget = self.max_num_batched_tokens
         checks = [
-            (self.block_size in (8, 16, 32, 64, 128), "block_size", "must be one of 8, 16, 32, 64, 128"),
+            (
+                self.block_size in (None, 8, 16, 32, 64, 128),
+                "block_size",
+                "must be one of 8, 16, 32, 64, 128",
+            ),
             (self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1"),
             (self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1"),
             (self.data_parallel_size >= 1, "data_parallel_size", "must be at least 1"),
@@ -159,7 +163,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 raise ValueError(f"{field} {message} (got {getattr(self, field)!r})")
 
     def resolved(self, on_cuda: bool) -> EngineConfig:
-        """This config with its None step limits filled in for its usage and the device the engine runs on."""
+        """This config with its None step limits and block size filled in for its usage and the device the
+        engine runs on."""
         offline = self.usage == "offline"
         # Offline, wider decode batches finish a batch sooner (BENCHMARKS.md); serving, each step holds
         # every running stream's next token, and a wider step holds them longer.
@@ -181,6 +186,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         measured = serving and self.max_num_batched_tokens_decoding is None and not on_cuda and not overlap
         return msgspec.structs.replace(
             self,
+            # CPU decode attention reads each page as one stream: 64-token pages read 1.5-1.7x faster than
+            # 16-token ones scattered over the cache, and still share system prompts (BENCHMARKS.md).
+            block_size=self.block_size or (16 if on_cuda else 64),
             max_num_seqs=seqs,
             max_num_batched_tokens=budget,
             max_num_batched_tokens_decoding=decoding,

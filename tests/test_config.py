@@ -62,6 +62,11 @@ def test_budgets_resolve_for_the_device():
     assert serving.resolved(on_cuda=True).step_stretch == 0
     assert EngineConfig(max_num_seqs=5000).resolved(on_cuda=False).max_num_batched_tokens == 5000
     assert EngineConfig(enable_chunked_prefill=False).resolved(on_cuda=False).max_num_batched_tokens == 8192
+    # KV pages: larger on CPU, where decode attention reads each page as one stream; a given size stays.
+    assert offline.block_size is None
+    assert offline.resolved(on_cuda=False).block_size == 64
+    assert offline.resolved(on_cuda=True).block_size == 16
+    assert EngineConfig(block_size=16).resolved(on_cuda=False).block_size == 16
 
 
 def test_a_bad_value_names_its_field():

@@ -167,9 +167,7 @@ def test_a_request_id_equal_to_another_requests_sample_id_is_refused():
 
 
 def test_a_kv_cache_smaller_than_one_sequence_is_refused_at_start(tiny_chat_model):
-    with pytest.raises(
-        EngineDeadError, match=r"holds 112 tokens .* fewer than one sequence of max_model_len=512"
-    ):
+    with pytest.raises(EngineDeadError, match=r"holds 448 tokens \(7 blocks of 64\), fewer than one"):
         LLM(tiny_chat_model, dtype="float32", enforce_eager=True, num_kv_blocks=8, max_model_len=512)
 
 
@@ -238,7 +236,7 @@ def test_a_reader_that_falls_behind_holds_one_merged_output(async_engine):
 
 
 def test_requests_share_cached_prefixes_only_within_their_cache_salt(async_engine):
-    prompt = list(range(1, 65))  # four full blocks
+    prompt = list(range(1, 130))  # two full pages of 64 tokens, and one more token
 
     async def cached(salt: str | None) -> int:
         request = async_engine.process(prompt, SamplingParams(max_tokens=1), cache_salt=salt)

@@ -16,6 +16,10 @@ from tests.conftest import engine_core_children
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 
+DRAGON = (
+    "Tell me a short story about a dragon who learns to bake bread in a small village by the sea, from an "
+    "old baker who has never seen a dragon before, and who bakes for the whole village every morning."
+)
 QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about autumn.",
@@ -27,12 +31,12 @@ QUESTIONS = [
     "Translate 'good morning' into Spanish and German.",
     "Name a famous painter.",
     "What is a kiln used for?",
-    "Tell me a short story about a dragon who learns to bake bread in a small village by the sea.",
+    DRAGON,
     "Give me a recipe for pancakes.",
     "What is the boiling point of water?",
     "Who wrote Hamlet?",
     "Describe the color blue to someone who cannot see.",
-    "What is the capital of France?",  # a repeat: a full prefix hit
+    DRAGON,  # a repeat: its first KV page (64 tokens with the chat template) is a prefix hit
 ]
 
 
@@ -64,7 +68,7 @@ def reference(prompts, smollm2_hf):
         dict(),  # compiled, prefix caching and chunked prefill on
         dict(enforce_eager=True, enable_prefix_caching=False),
         dict(enforce_eager=True, max_num_batched_tokens=24),  # prompts prefill over several steps
-        dict(enforce_eager=True, num_kv_blocks=40),  # too small for 16 sequences at once: forces preemption
+        dict(enforce_eager=True, num_kv_blocks=12),  # too small for 16 sequences at once: forces preemption
     ],
     ids=["compiled", "no-prefix-caching", "chunked", "preemption"],
 )

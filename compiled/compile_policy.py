@@ -60,7 +60,7 @@ def _without_global_state(guards: list) -> list[bool]:
 # changed count neither fails a guard nor recompiles.
 CPU_THREADS_FOLLOW_LOAD = {"cpp.dynamic_threads": True, "guard_filter_fn": _without_global_state}
 # A product and the sum it feeds as one fused multiply-add: Inductor's C++ is compiled without
-# contraction, and decode attention's loops (a multiply and an add per loaded K/V value) run ~1.4x faster
+# contraction, and decode attention's loops (a multiply and an add per loaded K/V value) run ~1.3x faster
 # with it from cache, with one rounding instead of two (BENCHMARKS.md).
 CPU_CONTRACT = {"cpp.enable_floating_point_contract_flag": "fast"}
 

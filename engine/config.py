@@ -186,8 +186,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         measured = serving and self.max_num_batched_tokens_decoding is None and not on_cuda and not overlap
         return msgspec.structs.replace(
             self,
-            # CPU decode attention reads each page as one stream: 64-token pages read 1.5-1.7x faster than
-            # 16-token ones scattered over the cache, and still share system prompts (BENCHMARKS.md).
+            # CPU decode attention reads each page as one stream: 64-token pages read ~1.5x faster than
+            # 16-token ones scattered over the cache, and prefixes are still shared 64 tokens at a time
+            # (BENCHMARKS.md).
             block_size=self.block_size or (16 if on_cuda else 64),
             max_num_seqs=seqs,
             max_num_batched_tokens=budget,

@@ -62,7 +62,11 @@ CPU_THREADS_FOLLOW_LOAD = {"cpp.dynamic_threads": True, "guard_filter_fn": _with
 # A product and the sum it feeds as one fused multiply-add: Inductor's C++ is compiled without
 # contraction, and decode attention's loops (a multiply and an add per loaded K/V value) run ~1.3x faster
 # with it from cache, with one rounding instead of two (BENCHMARKS.md).
-CPU_CONTRACT = {"cpp.enable_floating_point_contract_flag": "fast"}
+CPU_CONTRACT = (
+    {"cpp.enable_floating_point_contract_flag": "fast"}
+    if hasattr(torch._inductor.config.cpp, "enable_floating_point_contract_flag")  # else: as before
+    else {}
+)
 
 
 def _known(config: object, values: dict) -> dict:

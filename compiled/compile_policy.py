@@ -59,19 +59,18 @@ def _without_global_state(guards: list) -> list[bool]:
 # CPU threads follow the load (compiled/cpu_threads.py): kernels read the count when they run, and a
 # changed count neither fails a guard nor recompiles.
 CPU_THREADS_FOLLOW_LOAD = {"cpp.dynamic_threads": True, "guard_filter_fn": _without_global_state}
-# A product and the sum it feeds as one fused multiply-add: Inductor's C++ is compiled without
-# contraction, and decode attention's loops (a multiply and an add per loaded K/V value) run ~1.3x faster
-# with it from cache, with one rounding instead of two (BENCHMARKS.md).
-CPU_CONTRACT = (
-    {"cpp.enable_floating_point_contract_flag": "fast"}
-    if hasattr(torch._inductor.config.cpp, "enable_floating_point_contract_flag")  # else: as before
-    else {}
-)
 
 
 def _known(config: object, values: dict) -> dict:
     """The settings the running torch has (2.11 lacks some of 2.13's); the rest are left out."""
     return {name: value for name, value in values.items() if hasattr(config, name)}
+
+
+# A product and the sum it feeds as one fused multiply-add: Inductor's C++ is compiled without
+# contraction, and decode attention's loops (a multiply and an add per loaded K/V value) run ~1.3x faster
+# with it from cache, with one rounding instead of two (BENCHMARKS.md).
+_CONTRACT = _known(torch._inductor.config.cpp, {"enable_floating_point_contract_flag": "fast"})
+CPU_CONTRACT = {f"cpp.{name}": value for name, value in _CONTRACT.items()}
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from torch import Tensor
 from compiled import guard_free, parallel, quant
 from compiled.attention import AttentionMetadata, write_kv
 from compiled.input_batch import InputBatch
-from compiled.models.llama import Transformer, TransformerBlock
+from compiled.models.llama import Linear, Transformer, TransformerBlock, cpu_matmul_dtype
 
 logger = logging.getLogger("kiln.runner")
 
@@ -38,6 +38,9 @@ CPU_ROW_BLOCKS = 4
 # Quantized decode steps of up to this many rows (CPU) take the fused reduction, which reads the packed
 # weight once for all rows: past it, de-quantizing for the matmul costs less than the rows' unpacking.
 FEW_QUANTIZED_ROWS = 8
+# bfloat16 decode steps of up to this many rows take the one-row reduction as well (CPU): oneDNN's
+# matmuls of 2-4 rows ran 1.3-2x slower; float32's MKL ones did not (BENCHMARKS.md).
+FEW_HALF_ROWS = 4
 # CUDA-graph trees run a new shape eagerly, record it on its second call and replay it from the third.
 CUDA_GRAPH_RUNS = 3
 CUDA_DECODE = dict(mode="reduce-overhead", fullgraph=True)  # the whole decode forward, one CUDA graph
@@ -93,7 +96,9 @@ class WarmupStep(NamedTuple):
 class CompilePolicy:
     """How one model runs: which kernels, what is compiled, and the forward each kind of step calls."""
 
-    def __init__(self, model: Transformer, device: torch.device, enforce_eager: bool) -> None:
+    def __init__(
+        self, model: Transformer, device: torch.device, enforce_eager: bool, dtype: torch.dtype
+    ) -> None:
         self.model, self.device, self.eager = model, device, enforce_eager
         self.prefill_forward: Callable[..., Tensor] = model.forward
         self.decode_forward: Callable[..., Tensor] = model.forward
@@ -105,6 +110,8 @@ class CompilePolicy:
         quantized = any(isinstance(m, quant.PackedWeight) for m in model.modules())
         if quantized and device.type == "cpu":
             self.few_rows = FEW_QUANTIZED_ROWS
+        elif device.type == "cpu" and cpu_matmul_dtype(dtype) != torch.float32:
+            self.few_rows = FEW_HALF_ROWS
         # Guards stay on module attributes and weights: they tell two models of one process apart.
         for module in [*model.layers, model.output]:  # the LM head too: one more weight stream per step
             # A copy each: torch.compile takes guard_filter_fn out of the dict it is given.
@@ -159,12 +166,12 @@ class CompilePolicy:
         return "one" if rows == 1 else "few" if rows <= self.few_rows else "more"
 
     def _prefill(self, token_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
-        quant.QuantLinear.few_rows = False
+        Linear.few_rows = False
         return self.prefill_forward(token_ids, positions, meta)
 
     def _decode(self, token_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         # Read by the layers as they trace: each kind of step gets graphs of its own.
-        quant.QuantLinear.few_rows = self._decode_kind(token_ids.shape[0]) == "few"
+        Linear.few_rows = self._decode_kind(token_ids.shape[0]) == "few"
         return self.decode_forward(token_ids, positions, meta)
 
     def _decode_guard_free(self, token_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:

@@ -68,7 +68,7 @@ class ModelRunner:
         self.max_blocks_per_seq = cdiv(self.max_model_len, self.block_size)
         self.batch = InputBatch(config.max_num_seqs, self.max_blocks_per_seq, self.block_size, device)
         self.num_blocks = 0
-        self.policy = CompilePolicy(self.model, device, config.enforce_eager)
+        self.policy = CompilePolicy(self.model, device, config.enforce_eager, dtype)
 
     @property
     def buckets(self) -> list[int]:

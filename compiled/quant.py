@@ -209,10 +209,8 @@ def _per_word(t: Tensor, rep: int) -> Tensor:
 
 
 class QuantLinear(Linear):
-    """A Linear whose weight is packed: one row, or a few (`few_rows`, set by the compile policy for
-    a decode step), through the fused reduction; more rows de-quantized for the matmul."""
-
-    few_rows = False
+    """A Linear whose weight is packed: one row, or a few (`few_rows`), through the fused reduction;
+    more rows de-quantized for the matmul."""
 
     def __init__(self, packed: PackedWeight, bias: Tensor | None) -> None:
         nn.Module.__init__(self)

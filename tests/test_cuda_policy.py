@@ -28,7 +28,7 @@ def cuda_policy(runner, monkeypatch, backend=None) -> tuple[CompilePolicy, list[
         return real_compile(fn, backend=backend, fullgraph=options.get("fullgraph", False))
 
     monkeypatch.setattr(torch, "compile", recording_compile)
-    policy = CompilePolicy(runner.model, CUDA, enforce_eager=False)
+    policy = CompilePolicy(runner.model, CUDA, enforce_eager=False, dtype=runner.dtype)
     monkeypatch.setattr(torch, "compile", real_compile)
     return policy, calls
 
@@ -122,7 +122,7 @@ def test_flags_leave_out_settings_the_running_torch_lacks(monkeypatch):
 
 def test_every_warmup_step_fits_a_batch_of_one_sequence(tiny_llama, monkeypatch):
     runner = build_runner(tiny_llama, dtype="float32", max_num_seqs=1, num_kv_blocks=16, enforce_eager=True)
-    cpu = CompilePolicy(runner.model, torch.device("cpu"), enforce_eager=False)
+    cpu = CompilePolicy(runner.model, torch.device("cpu"), enforce_eager=False, dtype=runner.dtype)
     cuda, _ = cuda_policy(runner, monkeypatch)
     for policy in (cpu, cuda):
         batch = InputBatch(1, runner.max_blocks_per_seq, runner.block_size, policy.device)

@@ -1,3 +1,5 @@
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -162,25 +164,30 @@ def test_greedy_generation_matches_transformers_smollm2(smollm2_dir, smollm2_hf)
     assert greedy_mismatches(runner, smollm2_hf, prompts) == []
 
 
-def teacher_forced_logits(runner: ModelRunner, sequences: list[list[int]], n_prompt: list[int]) -> list:
+def teacher_forced_logits(
+    runner: ModelRunner, sequences: list[list[int]], n_prompt: list[int], few: int = 0
+) -> list:
     """Logits at every position of each sequence, the sequences' own tokens fed back (teacher forcing):
-    prompts prefill together in chunks, then every later token is fed as a decode of all sequences at once."""
+    prompts prefill together in chunks, then every later token is fed as a decode of all sequences at once,
+    or, every other step when `few` is given, of `few` sequences at a time."""
     drv = RunnerDriver(runner, chunk=24)
     for i, (seq, n) in enumerate(zip(sequences, n_prompt)):
         drv.add(str(i), seq[:n])
     rows: dict[str, list] = {str(i): [] for i in range(len(sequences))}
-    while True:
+    for step in itertools.count():
         live = [rid for rid, r in drv.reqs.items() if r["computed"] < len(sequences[int(rid)]) - 1]
         if not live:
             break
-        so = drv.build(live)
-        for rid, logits in drv.logits(so).items():
-            r, seq = drv.reqs[rid], sequences[int(rid)]
-            rows[rid].append(logits.float())
-            r["computed"] += so.num_scheduled_tokens[rid]
-            if r["computed"] == len(r["tokens"]) and r["computed"] < len(seq):
-                r["tokens"].append(seq[r["computed"]])  # the teacher's token, where sampling would put one
-                runner.batch.requests[rid].token_ids.append(seq[r["computed"]])
+        for group in [live[i : i + few] for i in range(0, len(live), few)] if few and step % 2 else [live]:
+            so = drv.build(group)
+            for rid, logits in drv.logits(so).items():
+                r, seq = drv.reqs[rid], sequences[int(rid)]
+                rows[rid].append(logits.float())
+                r["computed"] += so.num_scheduled_tokens[rid]
+                if r["computed"] == len(r["tokens"]) and r["computed"] < len(seq):
+                    # the teacher's token, where sampling would put one
+                    r["tokens"].append(seq[r["computed"]])
+                    runner.batch.requests[rid].token_ids.append(seq[r["computed"]])
     drv.finish()
     return [torch.cat(rows[str(i)])[: len(seq) - 1] for i, seq in enumerate(sequences)]
 
@@ -200,7 +207,10 @@ def test_bfloat16_teacher_forced_matches_transformers_bfloat16(smollm2_dir, smol
     torch._dynamo.reset()
     runner = build_runner(smollm2_dir, dtype="bfloat16", max_num_seqs=16, num_kv_blocks=128)
     runner.initialize_kv_cache(128)
-    ours = teacher_forced_logits(runner, sequences, [len(p) for p in prompts])
+    # Every other decode step of three sequences: where the CPU computes in bfloat16, those run the graph
+    # for a few rows (matrix-vector reductions), the rest the one for more.
+    ours = teacher_forced_logits(runner, sequences, [len(p) for p in prompts], few=3)
+    assert ("few" in runner.policy.decode_graphs) == (runner.policy.few_rows >= 3)
     hf16 = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16).eval()
     rows: dict[tuple, tuple] = {}  # context -> (ours, transformers bfloat16, float32)
     for seq, logits in zip(sequences, ours):

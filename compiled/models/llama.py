@@ -139,8 +139,9 @@ def cpu_matmul_dtype(dtype: torch.dtype) -> torch.dtype:
 class Linear(nn.Linear):
     """nn.Linear with a faster path for one row, and for CPUs without bfloat16 arithmetic (BENCHMARKS.md).
 
-    - `row_blocks` > 0 (set by the compile policy for compiled graphs): one row is a matrix-vector
-      reduction, pure weight streaming that Inductor vectorises faster than BLAS, its rows reduced in
+    - `row_blocks` > 0 (set by the compile policy for compiled graphs): one row, or each row of a decode
+      step of a few (`few_rows`, set while the policy traces one), is a matrix-vector reduction, pure
+      weight streaming that Inductor vectorises faster than BLAS, the weight's rows reduced in
       `row_blocks` blocks side by side so that each thread streams several places of the weight at once.
       The input is materialised once in float32 first: left to fuse, Inductor would recompute the
       RMSNorm for every weight row.
@@ -151,9 +152,10 @@ class Linear(nn.Linear):
     """
 
     row_blocks = 0
+    few_rows = False
 
     def forward(self, x: Tensor, weight_left: bool = False) -> Tensor:
-        if self.row_blocks and x.shape[0] == 1:
+        if self.row_blocks and (x.shape[0] == 1 or self.few_rows):
             return self.matvec(x)
         w, b, dtype = self.weight, self.bias, x.dtype
         if x.device.type == "cpu" and cpu_matmul_dtype(dtype) != dtype:
@@ -164,7 +166,7 @@ class Linear(nn.Linear):
         return F.linear(x, w, b).to(dtype)
 
     def matvec(self, x: Tensor) -> Tensor:
-        """One row [1, K] -> [1, N] as `row_blocks` reductions over blocks of the weight's rows."""
+        """Rows [M, K] -> [M, N] as `row_blocks` reductions over blocks of the weight's rows."""
         w, b, dtype = self.weight, self.bias, x.dtype
         x = inductor_prims.force_stride_order(x.float(), x.stride())
         n = -(-w.shape[0] // self.row_blocks)

@@ -3,7 +3,8 @@ trace with, the kernels the model uses compiled or eager, and the step shapes th
 
 CPU: each TransformerBlock compiles with dynamic shapes; all layers share one Dynamo cache entry (same
 code, weights are graph inputs), so a whole step costs a few graphs: decode of one sequence (Linear is a
-matrix-vector reduction there) and of more, and steps with chunks. Decode layers then run guard-free
+matrix-vector reduction there), of a few (the same reductions per row, for half-precision or quantized
+weights) and of more, and steps with chunks. Decode layers then run guard-free
 (compiled/guard_free.py). Per-layer graphs against one whole-model graph: BENCHMARKS.md.
 CUDA: decode-only steps (padded to a bucket, the block table to a width class) run the whole model under
 mode="reduce-overhead" (CUDA graphs); steps with multi-token chunks use the per-layer graphs. Shapes are
@@ -39,7 +40,7 @@ CPU_ROW_BLOCKS = 4
 # weight once for all rows: past it, de-quantizing for the matmul costs less than the rows' unpacking.
 FEW_QUANTIZED_ROWS = 8
 # bfloat16 decode steps of up to this many rows take the one-row reduction as well (CPU): oneDNN's
-# matmuls of 2-4 rows ran 1.3-2x slower; float32's MKL ones did not (BENCHMARKS.md).
+# matmuls of 2-4 rows ran 1.3-2.3x slower; float32's MKL ones did not (BENCHMARKS.md).
 FEW_HALF_ROWS = 4
 # CUDA-graph trees run a new shape eagerly, record it on its second call and replay it from the third.
 CUDA_GRAPH_RUNS = 3

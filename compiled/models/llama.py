@@ -137,7 +137,8 @@ def cpu_matmul_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class Linear(nn.Linear):
-    """nn.Linear with a faster path for one row, and for CPUs without bfloat16 arithmetic (BENCHMARKS.md).
+    """nn.Linear with a faster path for one row or a few, and for CPUs without bfloat16 arithmetic
+    (BENCHMARKS.md).
 
     - `row_blocks` > 0 (set by the compile policy for compiled graphs): one row, or each row of a decode
       step of a few (`few_rows`, set while the policy traces one), is a matrix-vector reduction, pure

@@ -178,8 +178,9 @@ def teacher_forced_logits(
         live = [rid for rid, r in drv.reqs.items() if r["computed"] < len(sequences[int(rid)]) - 1]
         if not live:
             break
-        for group in [live[i : i + few] for i in range(0, len(live), few)] if few and step % 2 else [live]:
-            so = drv.build(group)
+        size = few if few and step % 2 else len(live)
+        for i in range(0, len(live), size):
+            so = drv.build(live[i : i + size])
             for rid, logits in drv.logits(so).items():
                 r, seq = drv.reqs[rid], sequences[int(rid)]
                 rows[rid].append(logits.float())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -85,6 +86,23 @@ def flags() -> Iterator[None]:
         yield
 
 
+_isa_probe: threading.Thread | None = None
+
+
+def probe_vector_isa() -> threading.Thread:
+    """Before its first CPU kernel Inductor builds a test program for each vector ISA the CPU names
+    (~9 s with a cold cache, then cached beside the kernels). Started once per process, as early as the
+    engine core can, on a core start-up leaves idle; join it before compiling, or the first compile
+    builds them again."""
+    global _isa_probe
+    if _isa_probe is None:
+        from torch._inductor import cpu_vec_isa
+
+        _isa_probe = threading.Thread(target=cpu_vec_isa.valid_vec_isa_list, name="kiln-isa", daemon=True)
+        _isa_probe.start()
+    return _isa_probe
+
+
 class WarmupStep(NamedTuple):
     """One step shape the warm-up runs over throw-away sequences."""
 
@@ -119,7 +137,10 @@ class CompilePolicy:
             options = {**CPU_THREADS_FOLLOW_LOAD, **CPU_CONTRACT} if device.type == "cpu" else {}
             if quantized:
                 options.update(quant.INDUCTOR_OPTIONS)
-            module.compile(dynamic=True, fullgraph=True, options=options or None)
+            if isinstance(module, quant.QuantLinear):
+                _compile_sliced(module, options)
+            else:
+                module.compile(dynamic=True, fullgraph=True, options=options or None)
         if device.type == "cuda":
             self.decode_forward = torch.compile(model.forward, **CUDA_DECODE)
             # Every (bucket, width) pair is a graph recorded on purpose: no warning past the eighth.
@@ -198,6 +219,40 @@ class CompilePolicy:
             graph.go_direct(lambda wrapped, direct: _same_layer_step(wrapped, direct, *seen[-1]))
         self.decode_graphs[kind] = graph or _guarded_block
         return hidden
+
+
+def _compile_sliced(head: quant.QuantLinear, options: dict) -> None:
+    """A quantized LM head: its one- and few-row products compiled, and its de-quantized matmul called
+    slice by slice through one graph per slice shape."""
+    head.matvec = torch.compile(head.matvec, dynamic=True, fullgraph=True, options={**options})
+    head.slice_product = _SliceGraphs(options)
+
+
+class _SliceGraphs:
+    """`quant.slice_product` compiled for any number of rows, each slice shape's graph called without
+    Dynamo's guards once found (compiled/guard_free.py): a call through Dynamo cost ~0.1 ms, and an LM
+    head makes one per slice."""
+
+    def __init__(self, options: dict) -> None:
+        self.compiled = torch.compile(quant.slice_product, dynamic=False, fullgraph=True, options={**options})
+        self.graphs: dict[tuple, guard_free.GuardFreeGraph] = {}
+
+    def __call__(self, x: Tensor, *weight: object) -> Tensor:
+        key = (x.dtype, *(w.shape for w in weight if isinstance(w, Tensor)))
+        graph = self.graphs.get(key)
+        if graph is not None:
+            return graph(x, *weight)
+        torch._dynamo.mark_dynamic(x, 0)  # any number of rows; a slice's shape is fixed
+        y = self.compiled(x, *weight)
+        graph = (
+            guard_free.GuardFreeGraph.lookup(quant.slice_product, x, *weight)
+            if guard_free.supported()
+            else None
+        )
+        if graph is not None:
+            graph.go_direct(lambda wrapped, direct: torch.allclose(wrapped(x, *weight), direct(x, *weight)))
+            self.graphs[key] = graph
+        return y
 
 
 def _guarded_block(layer: TransformerBlock, *args: object) -> Tensor:

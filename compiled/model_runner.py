@@ -41,6 +41,8 @@ class ModelRunner:
         rank runs each step, rank 0 samples and hands its tokens to the others."""
         self.config, self.device, self.dtype = config, device, dtype
         self.tensor_parallel = config.tensor_parallel_size > 1
+        compiles_on_cpu = device.type == "cpu" and not config.enforce_eager
+        self.isa_probe = compile_policy.probe_vector_isa() if compiles_on_cpu else None
         start = time.perf_counter()
         self.model = load_model(
             config.model, dtype, device, config.quantization, gguf_path, rank, config.tensor_parallel_size
@@ -101,6 +103,8 @@ class ModelRunner:
         if not shapes:
             return
         start = time.perf_counter()
+        if self.isa_probe is not None:
+            self.isa_probe.join()
         for shape in shapes:
             for _ in range(shape.runs):
                 self.dummy_step(shape.num_single, list(shape.chunk_lens), shape.context)

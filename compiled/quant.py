@@ -14,6 +14,7 @@ slower. More rows (prefill, larger decode batches) de-quantize the weight slice 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -144,22 +145,9 @@ class PackedWeight(nn.Module):
 
     def kn(self, start: int = 0, stop: int | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
         """Tiles start:stop de-quantized and transposed, [K, rows]: `x @ kn()` is the plain matmul
-        BLAS runs fastest. The kernel loops over (column, tile, lane), so every load and store is a
-        whole tile row; indexed by flat (column, row) instead, Inductor gathered lane by lane (10x slower)."""
+        BLAS runs fastest."""
         words, scale, mn = (t[start:stop] for t in (self.words, self.scale, self.min))
-        tiles, count, lanes = words.shape
-        per_word, mask = 32 // self.bits, (1 << self.bits) - 1
-
-        def spread(t: Tensor, rep: int) -> Tensor:  # [T, C, TILE] -> [C * rep, T, TILE]: each C rep times
-            c = t.shape[1]
-            return t.permute(1, 0, 2)[:, None].expand(c, rep, tiles, lanes).reshape(c * rep, tiles, lanes)
-
-        shifts = torch.arange(per_word, device=words.device, dtype=torch.int32) * self.bits
-        fields = (
-            (spread(words.view(torch.int32), per_word) >> shifts.repeat(count)[:, None, None]) & mask
-        ).float()
-        w = fields * spread(scale, self.group) + spread(mn, self.group)
-        return w.to(dtype).view(-1, tiles * lanes)
+        return dequantize_kn(words, scale, mn, self.bits, self.group, dtype)
 
     def rows(self, index: Tensor) -> Tensor:
         """De-quantized rows [len(index), K] float32: an embedding lookup."""
@@ -197,6 +185,30 @@ class PackedWeight(nn.Module):
         return y.permute(1, 0, 2).reshape(m, -1)
 
 
+def dequantize_kn(
+    words: Tensor, scale: Tensor, mn: Tensor, bits: int, group: int, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """Packed tiles de-quantized and transposed, [K, rows]. The kernel loops over (column, tile, lane),
+    so every load and store is a whole tile row; indexed by flat (column, row) instead, Inductor
+    gathered lane by lane (10x slower)."""
+    tiles, count, lanes = words.shape
+    per_word, mask = 32 // bits, (1 << bits) - 1
+
+    def spread(t: Tensor, rep: int) -> Tensor:  # [T, C, TILE] -> [C * rep, T, TILE]: each C rep times
+        c = t.shape[1]
+        return t.permute(1, 0, 2)[:, None].expand(c, rep, tiles, lanes).reshape(c * rep, tiles, lanes)
+
+    shifts = torch.arange(per_word, device=words.device, dtype=torch.int32) * bits
+    fields = (spread(words.view(torch.int32), per_word) >> shifts.repeat(count)[:, None, None]) & mask
+    w = fields.float() * spread(scale, group) + spread(mn, group)
+    return w.to(dtype).view(-1, tiles * lanes)
+
+
+def slice_product(x: Tensor, words: Tensor, scale: Tensor, mn: Tensor, bits: int, group: int) -> Tensor:
+    """x @ a slice of packed tiles, de-quantized in x's dtype: [M, K] -> [M, rows of the slice]."""
+    return x @ dequantize_kn(words, scale, mn, bits, group, x.dtype)
+
+
 def _tile(t: Tensor) -> Tensor:
     n, c = t.shape
     return t.view(n // TILE, TILE, c).transpose(1, 2).contiguous()
@@ -210,23 +222,31 @@ def _per_word(t: Tensor, rep: int) -> Tensor:
 
 class QuantLinear(Linear):
     """A Linear whose weight is packed: one row, or a few (`few_rows`), through the fused reduction;
-    more rows de-quantized for the matmul."""
+    more rows de-quantized for the matmul, CHUNK_ROWS weight rows at a time.
+
+    `slice_product` computes one slice. Inside a compiled layer its calls unroll into the layer's
+    graph. The LM head has many more slices (24 for SmolLM2's vocabulary): the compile policy gives it
+    one graph called slice by slice, since unrolled they took ~20 s to compile."""
 
     def __init__(self, packed: PackedWeight, bias: Tensor | None) -> None:
         nn.Module.__init__(self)
         self.packed = packed
         self.in_features, self.out_features = packed.in_features, packed.out_features
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.slice_product: Callable[..., Tensor] = slice_product
 
     def forward(self, x: Tensor, weight_left: bool = False) -> Tensor:
         if self.row_blocks and (x.shape[0] == 1 or self.few_rows):
             return self.matvec(x)
-        dtype = x.dtype
-        mm = cpu_matmul_dtype(dtype) if x.device.type == "cpu" else dtype
-        x, step = x.to(mm), CHUNK_ROWS // TILE
-        tiles = self.packed.words.shape[0]
-        y = torch.cat([x @ self.packed.kn(t, t + step, mm) for t in range(0, tiles, step)], -1)
-        return (y if self.bias is None else y + self.bias.to(mm)).to(dtype)
+        dtype, p, step = x.dtype, self.packed, CHUNK_ROWS // TILE
+        x = x.to(cpu_matmul_dtype(dtype) if x.device.type == "cpu" else dtype)
+
+        def part(t: int) -> Tensor:
+            rows = slice(t, t + step)
+            return self.slice_product(x, p.words[rows], p.scale[rows], p.min[rows], p.bits, p.group)
+
+        y = torch.cat([part(t) for t in range(0, p.words.shape[0], step)], -1)
+        return (y if self.bias is None else y + self.bias.to(y.dtype)).to(dtype)
 
     def matvec(self, x: Tensor) -> Tensor:
         y = self.packed.matvec(x).to(x.dtype)

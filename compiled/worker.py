@@ -13,7 +13,7 @@ import msgspec
 import torch
 import torch._inductor.compile_fx  # what torch.compile imports on first use: loaded with this module
 
-from compiled import parallel
+from compiled import compile_policy, parallel
 from compiled.cpu_threads import CpuThreads
 from compiled.loader import convert_gguf, resolve_dtype
 from compiled.model_runner import ModelRunner
@@ -75,6 +75,11 @@ class Worker:
         gguf_path = config.model if config.model and config.model.endswith(".gguf") else None
         self.config = msgspec.structs.replace(config.resolved(device.type == "cuda"), model=model_dir)
         self.runner = ModelRunner(self.config, device, resolve_dtype(config.dtype, device), gguf_path, rank)
+
+    @staticmethod
+    def prepare() -> None:
+        """Work that needs no config, started while the engine core waits for its own."""
+        compile_policy.probe_vector_isa()
 
     @property
     def max_model_len(self) -> int:

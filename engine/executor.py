@@ -36,8 +36,10 @@ logger = logging.getLogger("kiln.core")
 
 
 def import_worker_module() -> None:
-    """Import the worker's module (torch, Dynamo, Inductor): seconds that can overlap other start-up work."""
-    importlib.import_module(WORKER_CLASS.rpartition(".")[0])
+    """Import the worker's module (torch, Dynamo, Inductor) and start its preparations: seconds that can
+    overlap other start-up work."""
+    module, _, name = WORKER_CLASS.rpartition(".")
+    getattr(importlib.import_module(module), name).prepare()
 
 
 def make_executor(config: EngineConfig, model_dir: str, gguf_file: str | None = None) -> Executor:

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from compiled import compile_policy, guard_free
+from compiled import compile_policy, guard_free, quant
 from compiled.guard_free import GuardFreeGraph
 from compiled.input_batch import StepInputs, decode_buckets
 from compiled.model_runner import ModelRunner
@@ -236,6 +236,7 @@ def test_no_recompile_after_warmup(tiny_llama, monkeypatch, quantization):
     # Decode steps skip Dynamo's guards after the warm-up: check them anyway, on every call.
     monkeypatch.setattr(GuardFreeGraph, "check_guards", True)
     torch._dynamo.reset()  # graphs other tests compiled count against Dynamo's recompile limit
+    monkeypatch.setattr(quant, "CHUNK_ROWS", 64)  # a quantized LM head of 320 rows in five slices
     runner = build_runner(
         tiny_llama,
         dtype="float32",
@@ -252,6 +253,8 @@ def test_no_recompile_after_warmup(tiny_llama, monkeypatch, quantization):
     assert set(graphs) == ({"one", "few", "more"} if quantization == "int4" else {"one", "more"})
     assert all(isinstance(g, GuardFreeGraph) for g in graphs.values())
     assert all(g.direct for g in graphs.values())  # straight into Inductor's modules
+    if quantization == "int4":  # the head's five slices share one graph, called the same way
+        assert [g.direct for g in runner.model.output.slice_product.graphs.values()] == [True]
     torch.manual_seed(0)
     drv = RunnerDriver(runner, chunk=40)
     threads = torch.get_num_threads()  # changed on the way, as the load would: no step recompiles for it

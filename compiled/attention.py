@@ -49,7 +49,8 @@ class AttentionMetadata(NamedTuple):
     prefill_query_index: Tensor  # [P, Qp] step-token index of each chunk's queries (padding: any valid index)
     prefill_query_pos: Tensor  # [P, Qp] position of each query (padding: 0)
     prefill_out_index: Tensor  # [T - Bd] row of each chunk token in the flattened [P * Qp] output
-    prefill_chunks: Tensor  # [P, 2] first position and query count of each chunk
+    prefill_chunks: Tensor  # [P, 2] first position and query count of each chunk (on CPU P >= 2: a
+    # lone one gets an empty second on the null row, so that no graph is specialised to one chunk)
 
     @property
     def decode_only(self) -> bool:
@@ -210,6 +211,8 @@ def prefill_attention_chunks(
     out, first = torch.empty_like(q), 0
     bs = v_cache.shape[3]
     for i, (start, n) in enumerate(chunks.tolist()):
+        if n == 0:  # the empty chunk a step with one carries (compiled/input_batch.py)
+            continue
         end = start + n
         table = block_tables[i : i + 1, : -(-end // bs)]
         k = _gather_keys(k_cache, table)[:, :, :end]  # [1, Hkv, end, D]: every slot written

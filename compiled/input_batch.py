@@ -224,6 +224,14 @@ class InputBatch:
                 logits_index.append(len(token_ids) - 1)
                 sampled.append(s)
         out_index = [p * q_max + j for p, n in enumerate(chunk_lens) for j in range(n)]
+        chunk_rows = [s.row for s in chunks]
+        chunk_spans = [(s.num_computed_tokens, n) for s, n in zip(chunks, chunk_lens)]
+        if len(chunks) == 1 and self.device.type == "cpu":
+            # Likewise two chunks at least, on CPU, whose attention skips an empty one (on the null row).
+            chunk_rows.append(self.null_row)
+            chunk_spans.append((0, 0))
+            query_index.append([0] * q_max)
+            query_pos.append([0] * q_max)
 
         rows_a, pos_a, table, put = (
             np.array(rows),
@@ -231,19 +239,15 @@ class InputBatch:
             self.block_table.numpy(),
             self.inputs.put,
         )
-        chunk_rows = [s.row for s in chunks]
         meta = AttentionMetadata(
             slot_mapping=put("slot_mapping", table[rows_a, pos_a // bs] * bs + pos_a % bs),
             decode_block_tables=put("decode_block_tables", table[rows_a[:num_dec], :dec_width]),
             decode_seq_lens=put("decode_seq_lens", seq_lens),
             prefill_block_tables=put("prefill_block_tables", table[chunk_rows, :pre_width]),
-            prefill_query_index=put("prefill_query_index", np.array(query_index).reshape(len(chunks), q_max)),
-            prefill_query_pos=put("prefill_query_pos", np.array(query_pos).reshape(len(chunks), q_max)),
+            prefill_query_index=put("prefill_query_index", np.array(query_index).reshape(-1, q_max)),
+            prefill_query_pos=put("prefill_query_pos", np.array(query_pos).reshape(-1, q_max)),
             prefill_out_index=put("prefill_out_index", out_index),
-            prefill_chunks=put(
-                "prefill_chunks",
-                np.array([(s.num_computed_tokens, n) for s, n in zip(chunks, chunk_lens)]).reshape(-1, 2),
-            ),
+            prefill_chunks=put("prefill_chunks", np.array(chunk_spans).reshape(-1, 2)),
         )
         return StepBatch(
             put("token_ids", token_ids), put("positions", pos_a), meta, logits_index, sampled, prompt_rows

@@ -143,11 +143,9 @@ class PackedWeight(nn.Module):
         self.scale = nn.Parameter(_tile(w.scale.float()), requires_grad=False)
         self.min = nn.Parameter(_tile(w.min.float()), requires_grad=False)
 
-    def kn(self, start: int = 0, stop: int | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
-        """Tiles start:stop de-quantized and transposed, [K, rows]: `x @ kn()` is the plain matmul
-        BLAS runs fastest."""
-        words, scale, mn = (t[start:stop] for t in (self.words, self.scale, self.min))
-        return dequantize_kn(words, scale, mn, self.bits, self.group, dtype)
+    def tiles(self, start: int = 0, stop: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Tiles start:stop as `dequantize_kn` and `slice_product` take them: words, scales, mins."""
+        return self.words[start:stop], self.scale[start:stop], self.min[start:stop]
 
     def rows(self, index: Tensor) -> Tensor:
         """De-quantized rows [len(index), K] float32: an embedding lookup."""
@@ -240,12 +238,8 @@ class QuantLinear(Linear):
             return self.matvec(x)
         dtype, p, step = x.dtype, self.packed, CHUNK_ROWS // TILE
         x = x.to(cpu_matmul_dtype(dtype) if x.device.type == "cpu" else dtype)
-
-        def part(t: int) -> Tensor:
-            rows = slice(t, t + step)
-            return self.slice_product(x, p.words[rows], p.scale[rows], p.min[rows], p.bits, p.group)
-
-        y = torch.cat([part(t) for t in range(0, p.words.shape[0], step)], -1)
+        slices = [p.tiles(t, t + step) for t in range(0, p.words.shape[0], step)]
+        y = torch.cat([self.slice_product(x, *w, p.bits, p.group) for w in slices], -1)
         return (y if self.bias is None else y + self.bias.to(y.dtype)).to(dtype)
 
     def matvec(self, x: Tensor) -> Tensor:

@@ -78,8 +78,10 @@ class Worker:
 
     @staticmethod
     def prepare() -> None:
-        """Work that needs no config, started while the engine core waits for its own."""
-        compile_policy.probe_vector_isa()
+        """Work that needs no config, started while the engine core waits for its own: on a CPU host,
+        the vector-ISA probe its first compile needs."""
+        if not torch.cuda.is_available():
+            compile_policy.probe_vector_isa()
 
     @property
     def max_model_len(self) -> int:

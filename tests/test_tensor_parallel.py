@@ -181,7 +181,8 @@ def test_a_dead_worker_fails_the_engine_and_leaves_no_process(models):
 
     def generate() -> None:
         try:
-            llm.generate(PROMPTS, SamplingParams(max_tokens=400, ignore_eos=True), use_tqdm=False)
+            # 16 waves of max_num_seqs sequences: work that outlasts the kill however fast the machine
+            llm.generate(PROMPTS, SamplingParams(n=16, max_tokens=400, ignore_eos=True), use_tqdm=False)
         except BaseException as e:
             errors.append(e)
 

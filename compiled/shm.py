@@ -27,6 +27,7 @@ SLOT_BYTES = 4 << 20  # larger tensors (long prefill chunks, many rows of prompt
 HEADER = 4096
 SPINS_BEFORE_YIELD = 64  # past this a waiting rank yields its core: more ranks than cores must all run
 TIMEOUT_S = 600.0
+MAX_VIEWS = 512
 
 
 def supported() -> bool:
@@ -50,6 +51,7 @@ class ShmExchange:
         self.flags = np.frombuffer(self.map, dtype=np.int64, count=size)
         self.banks = torch.frombuffer(self.map, dtype=torch.uint8, offset=HEADER, count=2 * size * SLOT_BYTES)
         self.banks = self.banks.view(2, size, SLOT_BYTES)
+        self.views: dict[tuple, tuple[Tensor, Tensor]] = {}
 
     def fits(self, x: Tensor) -> bool:
         return x.numel() * x.element_size() <= SLOT_BYTES
@@ -57,9 +59,32 @@ class ShmExchange:
     def all_gather(self, x: Tensor) -> Tensor:
         """[size, *x.shape]: every rank's `x`, a view of shared memory valid until this rank's next call."""
         self.seq += 1
-        bank, n = self.banks[self.seq % 2], x.numel() * x.element_size()
-        bank[self.rank, :n].copy_(x.contiguous().view(-1).view(torch.uint8))
+        mine, parts = self._slots(x)
+        mine.copy_(x)
         self.flags[self.rank] = self.seq
+        if self.flags.min() < self.seq:
+            self._wait()
+        return parts
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        # Every rank adds the same parts in the same order: equal sums. Half-precision parts are added in
+        # float32 and rounded once.
+        return self.all_gather(x).sum(0)
+
+    def _slots(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """This rank's slot and all ranks' slots of the current bank, typed and shaped as `x`: made once
+        per shape, since a call's few tensor operations are most of its cost (a decode step makes 61)."""
+        key = (self.seq % 2, x.shape, x.dtype)
+        slots = self.views.get(key)
+        if slots is None:
+            if len(self.views) >= MAX_VIEWS:  # prefill chunks come in many lengths
+                self.views.clear()
+            n = x.numel() * x.element_size()
+            parts = self.banks[self.seq % 2, :, :n].view(x.dtype).view(self.size, *x.shape)
+            slots = self.views[key] = (parts[self.rank], parts)
+        return slots
+
+    def _wait(self) -> None:
         spins, deadline = 0, time.monotonic() + TIMEOUT_S
         while self.flags.min() < self.seq:
             spins += 1
@@ -67,8 +92,3 @@ class ShmExchange:
                 os.sched_yield()
                 if spins % 4096 == 0 and time.monotonic() > deadline:
                     raise RuntimeError(f"tensor-parallel peers did not arrive within {TIMEOUT_S:.0f} s")
-        return bank[:, :n].view(x.dtype).view(self.size, *x.shape)
-
-    def all_reduce(self, x: Tensor) -> Tensor:
-        parts = self.all_gather(x)  # every rank adds the same parts in the same order: equal sums
-        return parts.sum(0) if x.dtype == torch.float32 else parts.float().sum(0).to(x.dtype)

@@ -83,22 +83,22 @@ def new_kv_cache(
         (num_blocks, n_kv_heads, head_dim // c, block_size, c),
     )
     if device.type == "cpu":
-        return _zeros_on_huge_pages(shapes[0], dtype), _zeros_on_huge_pages(shapes[1], dtype)
+        return _lazy_zeros(shapes[0], dtype), _lazy_zeros(shapes[1], dtype)
     k, v = (torch.zeros(s, device=device, dtype=dtype) for s in shapes)
     return k, v
 
 
-def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    """A zero CPU tensor in a private anonymous mapping of its own, advised to 2 MiB pages (transparent
-    huge pages, 'madvise' mode). Decode attention reads a few KiB of each sequence's pages scattered over
-    gigabytes: on 4 KiB pages nearly every read walks the page table (BENCHMARKS.md). Nothing is zeroed
-    at start (a 5.8 GiB cache took 3.8 s): pages read as zero until written, and are committed as blocks
-    are first used, one 2 MiB fault per few hundred blocks of a layer."""
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """A zero CPU tensor in a private anonymous mapping of its own: pages read as zero until written and
+    are committed as blocks are first used (zeroing a 5.8 GiB cache at start took 3.8 s). Small pages, not
+    transparent huge ones: where the host backs a VM's memory as it is first touched, committing a fresh
+    2 MiB page took 18-23 ms against ~1.2 ms for 2 MiB of 4 KiB pages, and an engine touches every page it
+    serves from (BENCHMARKS.md)."""
     count = math.prod(shape)
     nbytes = -(-max(count, 1) * dtype.itemsize // mmap.PAGESIZE) * mmap.PAGESIZE
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(AttributeError, OSError):  # no transparent huge pages: 4 KiB ones, still zero
-        mapping.madvise(mmap.MADV_HUGEPAGE)
+    with contextlib.suppress(AttributeError, OSError):  # a kernel without transparent huge pages
+        mapping.madvise(mmap.MADV_NOHUGEPAGE)
     return torch.frombuffer(mapping, dtype=dtype, count=count).view(shape)  # keeps the mapping alive
 
 

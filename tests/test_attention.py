@@ -106,25 +106,30 @@ def test_prefill_attention_is_a_causal_softmax_below_its_context(form, monkeypat
         torch.testing.assert_close(out[f : f + m], expected, rtol=1e-5, atol=1e-5)
 
 
-def vma_flags(address: int) -> list[str]:
-    """The kernel's flags for the mapping that holds `address` in this process (/proc/self/smaps)."""
-    inside = False
+def mapping_of(address: int) -> dict[str, str]:
+    """The kernel's entry (/proc/self/smaps) for the mapping that holds `address` in this process."""
+    entry: dict[str, str] | None = None
     with open("/proc/self/smaps") as f:
         for line in f:
-            head = line.split()[0]
+            head, _, rest = line.partition(" ")
             if "-" in head and ":" not in head:
                 lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "VmFlags:":
-                return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
+                if entry is not None:
+                    break
+                entry = {} if lo <= address < hi else None
+            elif entry is not None:
+                entry[head.rstrip(":")] = rest.strip()
+    assert entry is not None, f"no mapping holds {address:#x}"
+    return entry
 
 
-def test_the_cpu_kv_cache_is_zero_on_pages_advised_huge():
-    k, v = new_kv_cache(256, 16, 3, 64, torch.device("cpu"), torch.bfloat16)  # 1.5 MiB each
-    huge_pages = os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")  # the kernel has them
+def test_the_cpu_kv_cache_is_zero_and_committed_on_small_pages_as_blocks_are_written():
+    k, v = new_kv_cache(256, 64, 3, 64, torch.device("cpu"), torch.bfloat16)  # 6 MiB each, 24 KiB a block
+    has_thp = os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
     for cache in (k, v):
-        assert ("hg" in vma_flags(cache.data_ptr())) == huge_pages  # MADV_HUGEPAGE reached its mapping
+        assert ("nh" in mapping_of(cache.data_ptr())["VmFlags"].split()) == has_thp  # MADV_NOHUGEPAGE
         assert cache.count_nonzero() == 0
     k[5].fill_(1.0)  # writable, and its own memory
     assert k.count_nonzero() == k[5].numel() and v.count_nonzero() == 0
+    resident_kib = int(mapping_of(k.data_ptr())["Rss"].split()[0])
+    assert resident_kib <= 64, resident_kib  # the written block's pages, not the cache's 6 MiB

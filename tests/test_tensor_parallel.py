@@ -1,5 +1,6 @@
 """Tensor parallelism on CPU (gloo): worker processes per rank, the same greedy tokens and prompt logits
-as one process, clear errors for models that do not split, and a dead worker failing the engine."""
+as one process, clear errors for models that do not split, a dead worker failing the engine, and the
+shared-memory all-reduce's sums."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import numpy as np
 import pytest
 import torch
 
+from compiled import shm
+from compiled.shm import ShmExchange
 from engine import messages as m
 from engine.config import EngineConfig, tensor_parallel_error
 from engine.errors import EngineDeadError
@@ -226,3 +229,34 @@ def test_workers_that_torchrun_starts_on_two_hosts(models, one_process):
     if "split" not in one_process:
         one_process["split"] = run(models["split"], enforce_eager=True)
     assert_same(outs, one_process["split"])
+
+
+@pytest.mark.skipif(not shm.supported(), reason="shared-memory collectives are for x86 hosts")
+def test_shared_memory_all_reduce_sums_every_rank_equally(tmp_path):
+    """Two ranks on threads: each call's sum equals float32's sum rounded once, on both ranks, through
+    both banks and the slot views each shape keeps (shapes interleaved, more calls than banks)."""
+    path = tmp_path / "exchange"
+    path.write_bytes(b"\0" * shm.file_bytes(2))
+    ranks = [ShmExchange(r, 2, str(path)) for r in range(2)]
+    gen = torch.Generator().manual_seed(0)
+    calls = [
+        [torch.randn(shape, generator=gen).to(dtype) * 100 for _ in range(2)]
+        for dtype in (torch.float32, torch.bfloat16)
+        for shape in ((1, 576), (7, 576), (1, 576), (3, 5, 8))
+        for _ in range(2)
+    ]
+    results: list[list[torch.Tensor]] = [[], []]
+
+    def run(rank: int) -> None:
+        for parts in calls:
+            results[rank].append(ranks[rank].all_reduce(parts[rank]))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(results[0]) == len(results[1]) == len(calls)
+    for parts, got0, got1 in zip(calls, *results):
+        expected = (parts[0].float() + parts[1].float()).to(parts[0].dtype)
+        assert got0.dtype == expected.dtype and torch.equal(got0, expected) and torch.equal(got1, expected)

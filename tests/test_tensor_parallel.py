@@ -251,7 +251,8 @@ def test_shared_memory_all_reduce_sums_every_rank_equally(tmp_path):
         for parts in calls:
             results[rank].append(ranks[rank].all_reduce(parts[rank]))
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    # Daemons: a rank left waiting for its peer must fail the test, not hold the session at exit.
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(2)]
     for t in threads:
         t.start()
     for t in threads:

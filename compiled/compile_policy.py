@@ -96,6 +96,11 @@ def probe_vector_isa() -> threading.Thread:
     builds them again."""
     global _isa_probe
     if _isa_probe is None:
+        # The probe's lazy imports run here: one on its thread could race the caller's own (transformers'
+        # lazy config classes), and a module imported on two threads at once can be seen half-made.
+        import torch._inductor.codecache
+        import torch._inductor.cpp_builder
+        import torch.utils.cpp_extension  # noqa: F401
         from torch._inductor import cpu_vec_isa
 
         _isa_probe = threading.Thread(target=cpu_vec_isa.valid_vec_isa_list, name="kiln-isa", daemon=True)

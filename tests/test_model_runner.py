@@ -1,4 +1,7 @@
 import itertools
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -344,3 +347,25 @@ def test_the_direct_call_self_check_catches_a_lost_kv_write(tiny_llama):
     with torch.no_grad():
         assert compile_policy._same_layer_step(layer_step, layer_step, *args)
         assert not compile_policy._same_layer_step(layer_step, lost_write, *args)
+
+
+def test_the_vector_isa_probe_imports_nothing_on_its_thread():
+    """The probe runs while the engine core imports transformers' lazy config classes: a module imported on
+    two threads at once can reach one of them half-made ("Could not import module 'LlamaConfig'")."""
+    code = """if True:
+        import sys, threading
+        from compiled import compile_policy
+        imports = []
+        class Recorder:
+            def find_spec(self, name, path=None, target=None):
+                imports.append((threading.current_thread().name, name))
+        sys.meta_path.insert(0, Recorder())
+        compile_policy.probe_vector_isa().join()
+        print([name for thread, name in imports if thread == "kiln-isa"], len(imports))
+    """
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    on_probe, total = run.stdout.rsplit(" ", 1)
+    assert on_probe == "[]"
+    assert int(total) > 0  # the recorder saw the caller's imports

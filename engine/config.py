@@ -171,8 +171,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         seqs = self.max_num_seqs or (256 if offline else 64)
         budget = self.max_num_batched_tokens
         if budget is None:
-            # A CPU step computes ~1000 tokens/s; without chunked prefill a prompt must fit one step.
-            budget = (4096 if offline else 1024) if self.enable_chunked_prefill and not on_cuda else 8192
+            # A CPU step computes ~1000 tokens/s; serving, a burst of prompts goes in steps of 2048 (as in
+            # vLLM's CPU backend); without chunked prefill a prompt must fit one step.
+            budget = (4096 if offline else 2048) if self.enable_chunked_prefill and not on_cuda else 8192
             budget = max(budget, seqs)  # room for every sequence's decode
         decoding = self.max_num_batched_tokens_decoding
         serving = self.usage == "serving" and self.enable_chunked_prefill

@@ -49,12 +49,13 @@ class SchedulerConfig:
     # prefill never holds running streams' next tokens for long; a step with nobody decoding may use
     # the whole budget, which is what a lone prompt's time to first token needs.
     max_num_batched_tokens_decoding: int = 0
+    settling_tokens: int = 0  # streams cap steps from this many tokens on: a burst prefills in full steps
     async_scheduling: bool = False  # schedule the next step while the current one runs
 
     def __post_init__(self) -> None:
         lows = {"max_model_len": 2, "num_blocks": 2, "max_num_seqs": 1, "max_num_batched_tokens": 1,
                 "block_size": 1, "long_prefill_token_threshold": 0,
-                "max_num_batched_tokens_decoding": 0}  # fmt: skip
+                "max_num_batched_tokens_decoding": 0, "settling_tokens": 0}  # fmt: skip
         for name, low in lows.items():
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
@@ -189,7 +190,8 @@ class Scheduler:
         cfg, kv = self.config, self.kv_cache_manager
         budget = cfg.max_num_batched_tokens
         if cfg.max_num_batched_tokens_decoding and any(
-            r.num_computed_tokens >= r.num_prompt_tokens for r in self.running
+            r.num_computed_tokens >= r.num_prompt_tokens and r.num_output_tokens >= cfg.settling_tokens
+            for r in self.running
         ):
             budget = min(budget, max(cfg.max_num_batched_tokens_decoding, len(self.running)))
         full_budget = budget
@@ -330,16 +332,15 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         finished: list[Request] = []
         num_waiting = 0  # of the finished: preempted while their step ran (overlapped scheduling only)
-        requests = self.requests
         all_logprobs = runner_output.logprobs
         for rid, (start, entries) in runner_output.prompt_logprobs.items():
-            req = requests.get(rid)
+            req = self.requests.get(rid)
             if req is not None and req.prompt_logprobs is not None:
                 req.prompt_logprobs[start : start + len(entries)] = entries
         for i, (rid, token_ids) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
             if not token_ids:  # still prefilling
                 continue
-            req = requests.get(rid)
+            req = self.requests.get(rid)
             if req is None:  # finished or aborted since it was scheduled
                 continue
             first = req.num_output_tokens == 0

@@ -44,10 +44,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         chunked=st.booleans(),
         caching=st.booleans(),
         threshold=st.sampled_from([0, 0, 1, 3]),
+        decoding_cap=st.sampled_from([0, 0, 1, 5]),
+        settling=st.sampled_from([0, 1, 3]),
         seed=st.integers(0, 2**16),
     )
     def setup(
-        self, block_size, num_blocks, budget, max_seqs, max_model_len, chunked, caching, threshold, seed
+        self,
+        block_size,
+        num_blocks,
+        budget,
+        max_seqs,
+        max_model_len,
+        chunked,
+        caching,
+        threshold,
+        decoding_cap,
+        settling,
+        seed,
     ):
         self.cfg = SchedulerConfig(
             max_model_len=max_model_len,
@@ -58,6 +71,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             enable_prefix_caching=caching,
             enable_chunked_prefill=chunked,
             long_prefill_token_threshold=threshold,
+            max_num_batched_tokens_decoding=decoding_cap,
+            settling_tokens=settling,
         )
         self.sched = Scheduler(self.cfg, eos_token_id=EOS)
         self.rng = random.Random(seed)

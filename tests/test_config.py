@@ -45,7 +45,7 @@ def test_budgets_resolve_for_the_device():
     assert offline.resolved(on_cuda=False).max_num_seqs == 256
     assert serving.resolved(on_cuda=False).max_num_seqs == 64
     assert offline.resolved(on_cuda=False).max_num_batched_tokens == 4096
-    assert serving.resolved(on_cuda=False).max_num_batched_tokens == 1024
+    assert serving.resolved(on_cuda=False).max_num_batched_tokens == 2048
     assert EngineConfig(max_num_seqs=3).resolved(on_cuda=False).max_num_seqs == 3
     assert offline.resolved(on_cuda=True).max_num_batched_tokens == 8192
     assert offline.resolved(on_cuda=False).max_num_batched_tokens_decoding == 0

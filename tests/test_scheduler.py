@@ -112,6 +112,22 @@ def test_steps_that_carry_decodes_are_capped_and_a_lone_prefill_is_not():
     assert sizes == [7, 7, 7, 7, 2]  # b's prompt in chunks beside a's decodes
 
 
+def test_streams_in_their_first_tokens_leave_a_burst_the_whole_budget():
+    s = make(max_num_batched_tokens=40, max_num_batched_tokens_decoding=8, settling_tokens=3)
+    add(s, "a", 30)
+    add(s, "b", 30)
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"a": 30, "b": 10}
+    out, _ = step(s)  # a streams, one token in: b's rest at the whole budget
+    assert out.num_scheduled_tokens == {"a": 1, "b": 20}
+    add(s, "c", 30)
+    out, _ = step(s)  # a two tokens in, b one
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1, "c": 30}
+    add(s, "d", 30)
+    out, _ = step(s)  # a has settled: the step is capped again
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1, "c": 1, "d": 5}
+
+
 def test_decoding_cap_never_starves_running_decodes():
     s = make(max_num_batched_tokens=64, max_num_batched_tokens_decoding=2, max_num_seqs=4)
     for rid in "abcd":

@@ -44,7 +44,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_num_batched_tokens: Annotated[
         int | None,
         _help(
-            "tokens one step may compute (default: 4096 offline and 1024 serving on CPU, 8192 on CUDA or "
+            "tokens one step may compute (default: 4096 offline and 2048 serving on CPU, 8192 on CUDA or "
             "without chunked prefill)"
         ),
     ] = None

@@ -48,8 +48,8 @@ STATS_INTERVAL_S = 5.0
 POLL_MS = 200  # how often a headless core waiting for input checks that its front end is still there
 SEND_TIMEOUT_MS = 30_000
 # Prompts that arrive together (clients that started together come back together) are prefilled in full
-# steps while the streams they started are in their first tokens: one pause early in each of those streams
-# instead of a capped step beside each of them until the last prompt of the burst is in (BENCHMARKS.md).
+# steps while the streams they started are in their first tokens: a pause or two early in each of those
+# streams instead of a capped step beside them until the last prompt of the burst is in (BENCHMARKS.md).
 SETTLING_TOKENS = 3
 IDLE_WAIT_S = 0.005  # how long an empty step waits for a compiling grammar before looking for input again
 

@@ -1,6 +1,7 @@
 import itertools
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -352,7 +353,7 @@ def test_the_direct_call_self_check_catches_a_lost_kv_write(tiny_llama):
 def test_the_vector_isa_probe_imports_nothing_on_its_thread():
     """The probe runs while the engine core imports transformers' lazy config classes: a module imported on
     two threads at once can reach one of them half-made ("Could not import module 'LlamaConfig'")."""
-    code = """if True:
+    code = textwrap.dedent("""
         import sys, threading
         from compiled import compile_policy
         imports = []
@@ -362,7 +363,7 @@ def test_the_vector_isa_probe_imports_nothing_on_its_thread():
         sys.meta_path.insert(0, Recorder())
         compile_policy.probe_vector_isa().join()
         print([name for thread, name in imports if thread == "kiln-isa"], len(imports))
-    """
+    """)
     root = Path(__file__).resolve().parents[1]
     run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -19,6 +19,9 @@ import torch
 SAMPLE_S = 0.5  # how often the load is read; a busy core costs at most this long at the wrong count
 DROP_AT = 0.4  # cores kept busy by others that take a thread away
 RAISE_BELOW = 0.2  # and the load under which it comes back, lower so a load near the edge cannot flap
+# A window counts only if this process kept this many cores busy in it: one spent mostly waiting for work
+# says nothing of what a step would meet (a load that ran while the engine idled has often gone).
+STEPPED_CORES = 0.5
 
 logger = logging.getLogger("kiln.worker")
 
@@ -48,7 +51,8 @@ def threads_for(others: float, current: int, cores: int) -> int:
 
 
 class CpuThreads:
-    """Keeps torch's thread count at the cores other processes leave free, read every SAMPLE_S."""
+    """Keeps torch's thread count at the cores other processes leave free, read every SAMPLE_S over the
+    windows in which this process stepped."""
 
     def __init__(self, reader: Callable[[frozenset[int]], Sample] = read_sample) -> None:
         self.cores = frozenset(os.sched_getaffinity(0))
@@ -64,7 +68,7 @@ class CpuThreads:
         sample = self.reader(self.cores)
         total, busy, own = (a - b for a, b in zip(sample, self.last))
         self.last, self.at = sample, now
-        if total > 0:
+        if total > 0 and own * len(self.cores) >= STEPPED_CORES * total:
             others = max(0, busy - own) * len(self.cores) / total
             threads = threads_for(others, self.threads, len(self.cores))
             if threads != self.threads:

@@ -45,7 +45,7 @@ def test_the_count_follows_other_processes_not_this_one(monkeypatch):
     try:
         # (ticks of both cores, busy ticks, this process's ticks), cumulative: 100 ticks per core a window.
         threads = CpuThreads(
-            fake_reader([(0, 0, 0), (200, 200, 200), (400, 340, 240), (600, 540, 340), (800, 590, 440)])
+            fake_reader([(0, 0, 0), (200, 200, 200), (400, 400, 300), (600, 600, 400), (800, 700, 500)])
         )
         assert threads.threads == 2 == torch.get_num_threads()
         assert threads.update() == 2  # all the busy time was this process's own
@@ -56,6 +56,27 @@ def test_the_count_follows_other_processes_not_this_one(monkeypatch):
         torch.set_num_threads(before)
 
 
+def test_a_load_met_only_while_waiting_for_work_takes_no_thread(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(cpu_threads, "SAMPLE_S", 0.0)
+    before = torch.get_num_threads()
+    try:
+        # Another process kept both cores busy while this one used a tenth of a core, then the same
+        # load again while this one stepped on one core.
+        threads = CpuThreads(fake_reader([(0, 0, 0), (200, 200, 10), (400, 400, 110)]))
+        assert threads.update() == 2 == torch.get_num_threads()
+        assert threads.update() == 1 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+def _step_for(seconds: float) -> None:
+    """Keeps one core busy in this process, as a step does."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
 def test_a_busy_process_takes_a_thread_away_and_gives_it_back():
     cores = len(os.sched_getaffinity(0))
     if cores < 2:
@@ -64,14 +85,14 @@ def test_a_busy_process_takes_a_thread_away_and_gives_it_back():
     threads = CpuThreads()
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        time.sleep(cpu_threads.SAMPLE_S * 3)
+        _step_for(cpu_threads.SAMPLE_S * 3)
         assert threads.update() == cores - 1 == torch.get_num_threads()
     finally:
         busy.kill()
         busy.wait()
     deadline = time.monotonic() + 30  # the shared machine may be busy for a while: wait for a quiet window
     while threads.update() < cores and time.monotonic() < deadline:
-        time.sleep(cpu_threads.SAMPLE_S)
+        _step_for(cpu_threads.SAMPLE_S)
     assert threads.threads == cores
     torch.set_num_threads(before)
 

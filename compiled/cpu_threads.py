@@ -58,6 +58,11 @@ class CpuThreads:
         self.cores = frozenset(os.sched_getaffinity(0))
         self.reader, self.threads = reader, len(self.cores)
         torch.set_num_threads(self.threads)
+        self.restart()
+
+    def restart(self) -> None:
+        """Opens a fresh window: the load so far (the warm-up's compiler processes) says nothing of the
+        steps to come."""
         self.last, self.at = self.reader(self.cores), time.monotonic()
 
     def update(self) -> int:

@@ -135,6 +135,8 @@ class Worker:
 
     def warm_up(self) -> None:
         self.runner.warmup()
+        if self.threads is not None:
+            self.threads.restart()
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         if self.threads is not None:

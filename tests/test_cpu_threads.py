@@ -70,6 +70,19 @@ def test_a_load_met_only_while_waiting_for_work_takes_no_thread(monkeypatch):
         torch.set_num_threads(before)
 
 
+def test_a_restart_leaves_the_load_before_it_out(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(cpu_threads, "SAMPLE_S", 0.0)
+    before = torch.get_num_threads()
+    try:
+        # The warm-up: this process on one core, its compiler processes on the other; then steps alone.
+        threads = CpuThreads(fake_reader([(0, 0, 0), (200, 200, 100), (400, 400, 300)]))
+        threads.restart()
+        assert threads.update() == 2 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
 def _step_for(seconds: float) -> None:
     """Keeps one core busy in this process, as a step does."""
     end = time.monotonic() + seconds
@@ -114,6 +127,10 @@ def test_the_worker_follows_the_load_unless_given_a_count(tiny_llama):
     try:
         worker = Worker(EngineConfig(model=tiny_llama, dtype="float32", enforce_eager=True), tiny_llama)
         assert isinstance(worker.threads, CpuThreads)
+        restarts = []
+        worker.threads.restart = lambda: restarts.append(True)
+        worker.warm_up()
+        assert restarts == [True]  # the warm-up's compile load is left out of the first window
         fixed = Worker(EngineConfig(model=tiny_llama, enforce_eager=True, num_threads=1), tiny_llama)
         assert fixed.threads is None and torch.get_num_threads() == 1
     finally:

@@ -38,49 +38,41 @@ def fake_reader(samples):
     return lambda cores: next(it)
 
 
-def test_the_count_follows_other_processes_not_this_one(monkeypatch):
+@pytest.fixture
+def two_cores(monkeypatch):
+    """Two allowed cores, the load read at every update; torch's thread count put back after."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(cpu_threads, "SAMPLE_S", 0.0)
     before = torch.get_num_threads()
-    try:
-        # (ticks of both cores, busy ticks, this process's ticks), cumulative: 100 ticks per core a window.
-        threads = CpuThreads(
-            fake_reader([(0, 0, 0), (200, 200, 200), (400, 400, 300), (600, 600, 400), (800, 700, 500)])
-        )
-        assert threads.threads == 2 == torch.get_num_threads()
-        assert threads.update() == 2  # all the busy time was this process's own
-        assert threads.update() == 1 == torch.get_num_threads()  # another process took 1.0 cores
-        assert threads.update() == 1  # 1.0 cores still
-        assert threads.update() == 2 == torch.get_num_threads()  # others down to 0.0 cores
-    finally:
-        torch.set_num_threads(before)
+    yield
+    torch.set_num_threads(before)
 
 
-def test_a_load_met_only_while_waiting_for_work_takes_no_thread(monkeypatch):
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(cpu_threads, "SAMPLE_S", 0.0)
-    before = torch.get_num_threads()
-    try:
-        # Another process kept both cores busy while this one used a tenth of a core, then the same
-        # load again while this one stepped on one core.
-        threads = CpuThreads(fake_reader([(0, 0, 0), (200, 200, 10), (400, 400, 110)]))
-        assert threads.update() == 2 == torch.get_num_threads()
-        assert threads.update() == 1 == torch.get_num_threads()
-    finally:
-        torch.set_num_threads(before)
+def test_the_count_follows_other_processes_not_this_one(two_cores):
+    # (ticks of both cores, busy ticks, this process's ticks), cumulative: 100 ticks per core a window.
+    threads = CpuThreads(
+        fake_reader([(0, 0, 0), (200, 200, 200), (400, 400, 300), (600, 600, 400), (800, 700, 500)])
+    )
+    assert threads.threads == 2 == torch.get_num_threads()
+    assert threads.update() == 2  # all the busy time was this process's own
+    assert threads.update() == 1 == torch.get_num_threads()  # another process took 1.0 cores
+    assert threads.update() == 1  # 1.0 cores still
+    assert threads.update() == 2 == torch.get_num_threads()  # others down to 0.0 cores
 
 
-def test_a_restart_leaves_the_load_before_it_out(monkeypatch):
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(cpu_threads, "SAMPLE_S", 0.0)
-    before = torch.get_num_threads()
-    try:
-        # The warm-up: this process on one core, its compiler processes on the other; then steps alone.
-        threads = CpuThreads(fake_reader([(0, 0, 0), (200, 200, 100), (400, 400, 300)]))
-        threads.restart()
-        assert threads.update() == 2 == torch.get_num_threads()
-    finally:
-        torch.set_num_threads(before)
+def test_a_load_met_only_while_waiting_for_work_takes_no_thread(two_cores):
+    # Another process kept both cores busy while this one used a tenth of a core, then the same load
+    # again while this one stepped on one core.
+    threads = CpuThreads(fake_reader([(0, 0, 0), (200, 200, 10), (400, 400, 110)]))
+    assert threads.update() == 2 == torch.get_num_threads()
+    assert threads.update() == 1 == torch.get_num_threads()
+
+
+def test_a_restart_leaves_the_load_before_it_out(two_cores):
+    # The warm-up: this process on one core, its compiler processes on the other; then steps alone.
+    threads = CpuThreads(fake_reader([(0, 0, 0), (200, 200, 100), (400, 400, 300)]))
+    threads.restart()
+    assert threads.update() == 2 == torch.get_num_threads()
 
 
 def _step_for(seconds: float) -> None:

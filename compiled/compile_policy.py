@@ -16,6 +16,7 @@ pair stays under the recompile limit. The warm-up records each of them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import types
@@ -23,12 +24,12 @@ from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from compiled import guard_free, parallel, quant
 from compiled.attention import AttentionMetadata, write_kv
 from compiled.input_batch import InputBatch
-from compiled.models.llama import Linear, Transformer, TransformerBlock, cpu_matmul_dtype
+from compiled.models.llama import Linear, RMSNorm, Transformer, TransformerBlock, cpu_matmul_dtype
 
 logger = logging.getLogger("kiln.runner")
 
@@ -54,6 +55,9 @@ DYNAMO_FLAGS = dict(
     record_runtime_overhead=False,  # Dynamo's bytecode would time every call, for logs kiln does not read
 )
 FX_FLAGS = dict(use_duck_shape=False)  # sizes equal when traced must not be assumed equal
+# Inductor's module checks each input's sizes and strides on every call (~20 a layer, ~0.5 ms of a
+# one-row step); Dynamo's guards check them already, and guard-free calls are verified (guard_free.py).
+INDUCTOR_FLAGS = {"size_asserts": False}
 
 
 def _without_global_state(guards: list) -> list[bool]:
@@ -157,16 +161,23 @@ class CompilePolicy:
             self.few_rows = FEW_QUANTIZED_ROWS
         elif device.type == "cpu" and cpu_matmul_dtype(dtype) != torch.float32:
             self.few_rows = FEW_HALF_ROWS
+        options = dict(INDUCTOR_FLAGS)
+        if device.type == "cpu":
+            options.update(CPU_THREADS_FOLLOW_LOAD, **CPU_CONTRACT)
+        if quantized:
+            options.update(quant.INDUCTOR_OPTIONS)
         # Guards stay on module attributes and weights: they tell two models of one process apart.
         for module in [*model.layers, model.output]:  # the LM head too: one more weight stream per step
-            # A copy each: torch.compile takes guard_filter_fn out of the dict it is given.
-            options = {**CPU_THREADS_FOLLOW_LOAD, **CPU_CONTRACT} if device.type == "cpu" else {}
-            if quantized:
-                options.update(quant.INDUCTOR_OPTIONS)
             if isinstance(module, quant.QuantLinear):
                 _compile_sliced(module, options)
-            else:
-                module.compile(dynamic=True, fullgraph=True, options=options or None)
+            else:  # a copy each: torch.compile takes guard_filter_fn out of the dict it is given
+                module.compile(dynamic=True, fullgraph=True, options={**options})
+        if device.type == "cpu" and guard_free.supported():
+            # The step's eager ends, compiled: each cost ~0.1 ms of a one-row step (a dozen eager ops).
+            for module, kind in ((model.tok_embeddings, _ids_kind), (model.norm, _rows_kind)):
+                if isinstance(module, (quant.QuantEmbedding, RMSNorm)):
+                    calls = _GuardFreeCalls(type(module).forward, kind, options)
+                    module.forward = functools.partial(calls, module)
         if device.type == "cuda":
             self.decode_forward = torch.compile(model.forward, **CUDA_DECODE)
             # Every (bucket, width) pair is a graph recorded on purpose: no warning past the eighth.
@@ -216,12 +227,18 @@ class CompilePolicy:
 
     def _prefill(self, token_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         Linear.few_rows = False
-        return self.prefill_forward(token_ids, positions, meta)
+        with flags():
+            return self.prefill_forward(token_ids, positions, meta)
 
     def _decode(self, token_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+        kind = self._decode_kind(token_ids.shape[0])
         # Read by the layers as they trace: each kind of step gets graphs of its own.
-        Linear.few_rows = self._decode_kind(token_ids.shape[0]) == "few"
-        return self.decode_forward(token_ids, positions, meta)
+        Linear.few_rows = kind == "few"
+        graph = self.decode_graphs.get(kind)
+        if isinstance(graph, guard_free.GuardFreeGraph):  # nothing traces: the flags would cost ~0.2 ms
+            return self.model.forward(token_ids, positions, meta, block=graph)
+        with flags():
+            return self.decode_forward(token_ids, positions, meta)
 
     def _decode_guard_free(self, token_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         """CPU decode: every layer through the graph of its kind of step (one row, a few, more), no guards.
@@ -250,35 +267,49 @@ class CompilePolicy:
 
 def _compile_sliced(head: quant.QuantLinear, options: dict) -> None:
     """A quantized LM head: its one- and few-row products compiled, and its de-quantized matmul called
-    slice by slice through one graph per slice shape."""
-    head.matvec = torch.compile(head.matvec, dynamic=True, fullgraph=True, options={**options})
-    head.slice_product = _SliceGraphs(options)
+    slice by slice through one graph per slice shape; each without Dynamo's guards once found."""
+    matvec = _GuardFreeCalls(quant.QuantLinear.matvec, _rows_kind, options)
+    head.matvec = functools.partial(matvec, head)
+    head.slice_product = _GuardFreeCalls(quant.slice_product, _slice_kind, options, rows_of=0)
 
 
-class _SliceGraphs:
-    """`quant.slice_product` compiled for any number of rows, each slice shape's graph called without
-    Dynamo's guards once found (compiled/guard_free.py): a call through Dynamo cost ~0.1 ms, and an LM
-    head makes one per slice."""
+def _rows_kind(module: nn.Module, x: Tensor) -> tuple:
+    return x.dtype, x.shape[0] == 1, x.is_contiguous()  # Dynamo specialises one row
 
-    def __init__(self, options: dict) -> None:
-        self.compiled = torch.compile(quant.slice_product, dynamic=False, fullgraph=True, options={**options})
+
+def _ids_kind(embedding: quant.QuantEmbedding, ids: Tensor) -> tuple:
+    return ids.dtype, ids.shape[0] == 1, ids.is_contiguous()
+
+
+def _slice_kind(x: Tensor, *weight: object) -> tuple:
+    return x.dtype, *(w.shape for w in weight if isinstance(w, Tensor))
+
+
+class _GuardFreeCalls:
+    """`fn` compiled, each kind of call (`kind` of its arguments) through the graph of the kind's first
+    call without Dynamo's guards (compiled/guard_free.py): a call through Dynamo cost ~0.1 ms, and an LM
+    head makes one a step, or one per slice. `rows_of`: the argument whose rows alone are a dynamic size
+    (None: every size)."""
+
+    def __init__(
+        self, fn: Callable, kind: Callable[..., tuple], options: dict, rows_of: int | None = None
+    ) -> None:
+        self.fn, self.kind, self.rows_of = fn, kind, rows_of
+        self.compiled = torch.compile(fn, dynamic=rows_of is None, fullgraph=True, options={**options})
         self.graphs: dict[tuple, guard_free.GuardFreeGraph] = {}
 
-    def __call__(self, x: Tensor, *weight: object) -> Tensor:
-        key = (x.dtype, *(w.shape for w in weight if isinstance(w, Tensor)))
-        graph = self.graphs.get(key)
+    def __call__(self, *args: object) -> Tensor:
+        kind = self.kind(*args)
+        graph = self.graphs.get(kind)
         if graph is not None:
-            return graph(x, *weight)
-        torch._dynamo.mark_dynamic(x, 0)  # any number of rows; a slice's shape is fixed
-        y = self.compiled(x, *weight)
-        graph = (
-            guard_free.GuardFreeGraph.lookup(quant.slice_product, x, *weight)
-            if guard_free.supported()
-            else None
-        )
+            return graph(*args)
+        if self.rows_of is not None:
+            torch._dynamo.mark_dynamic(args[self.rows_of], 0)
+        y = self.compiled(*args)
+        graph = guard_free.GuardFreeGraph.lookup(self.fn, *args) if guard_free.supported() else None
         if graph is not None:
-            graph.go_direct(lambda wrapped, direct: torch.allclose(wrapped(x, *weight), direct(x, *weight)))
-            self.graphs[key] = graph
+            graph.go_direct(lambda wrapped, direct: torch.allclose(wrapped(*args), direct(*args)))
+            self.graphs[kind] = graph
         return y
 
 

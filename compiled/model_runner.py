@@ -66,6 +66,7 @@ class ModelRunner:
                 f"max_model_len={config.max_model_len} exceeds the model's limit of {limit} tokens"
             )
         self.max_model_len = config.max_model_len or limit
+        self.model.cache_rope(self.max_model_len, dtype)
         self.block_size = config.block_size
         self.max_blocks_per_seq = cdiv(self.max_model_len, self.block_size)
         self.batch = InputBatch(config.max_num_seqs, self.max_blocks_per_seq, self.block_size, device)
@@ -157,9 +158,8 @@ class ModelRunner:
 
     def hidden_states(self, step: StepBatch) -> Tensor:
         """The model's last hidden state for every token of a prepared step, as production computes it."""
-        with compile_policy.flags():
-            forward = self.policy.forward(step.meta.decode_only)
-            return forward(step.token_ids, step.positions, step.meta)
+        forward = self.policy.forward(step.meta.decode_only)
+        return forward(step.token_ids, step.positions, step.meta)
 
     def _run(
         self, step: StepBatch, grammar_bitmasks: dict[str, np.ndarray] | None = None

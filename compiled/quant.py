@@ -150,14 +150,12 @@ class PackedWeight(nn.Module):
     def rows(self, index: Tensor) -> Tensor:
         """De-quantized rows [len(index), K] float32: an embedding lookup."""
         t, lane = index // TILE, index % TILE
-        words, scale, mn = (
-            self.words.view(torch.int32)[t, :, lane],
-            self.scale[t, :, lane],
-            self.min[t, :, lane],
-        )
-        per_word, mask = 32 // self.bits, (1 << self.bits) - 1
-        fields = torch.stack([(words >> (self.bits * i)) & mask for i in range(per_word)], -1).flatten(1)
-        return fields.float() * scale.repeat_interleave(self.group, 1) + mn.repeat_interleave(self.group, 1)
+        words = self.words.view(torch.int32)[t, :, lane]
+        scale, mn = self.scale[t, :, lane], self.min[t, :, lane]
+        # Few eager ops: a decode step embeds its tokens outside the compiled graphs.
+        shifts = torch.arange(0, 32, self.bits, dtype=torch.int32, device=index.device)
+        fields = ((words[..., None] >> shifts) & ((1 << self.bits) - 1)).view(*scale.shape, self.group)
+        return (fields.float() * scale[..., None] + mn[..., None]).flatten(1)
 
     def matvec(self, x: Tensor) -> Tensor:
         """A few rows [M, K] -> [M, N] float32: each word's fields are masked in place and their inputs

@@ -258,7 +258,13 @@ def test_no_recompile_after_warmup(tiny_llama, monkeypatch, quantization):
     assert all(isinstance(g, GuardFreeGraph) for g in graphs.values())
     assert all(g.direct for g in graphs.values())  # straight into Inductor's modules
     if quantization == "int4":  # the head's five slices share one graph, called the same way
-        assert [g.direct for g in runner.model.output.slice_product.graphs.values()] == [True]
+        head = runner.model.output
+        assert [g.direct for g in head.slice_product.graphs.values()] == [True]
+        assert [g.direct for g in head.matvec.func.graphs.values()] == [True, True]  # one row, a few
+    # The step's ends likewise: the final norm (and a quantized embedding) for one row and for more.
+    ends = [m for m in (runner.model.norm, runner.model.tok_embeddings) if hasattr(m.forward, "func")]
+    assert runner.model.norm in ends
+    assert all([g.direct for g in m.forward.func.graphs.values()] == [True, True] for m in ends)
     torch.manual_seed(0)
     drv = RunnerDriver(runner, chunk=40)
     threads = torch.get_num_threads()  # changed on the way, as the load would: no step recompiles for it

@@ -261,18 +261,22 @@ def sampling_inputs(
     params = [s.sampling_params for s in states]
     f32 = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731
     i64 = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
-    m = SamplingMetadata(
-        temperature=f32([0.0 if p.greedy else p.temperature for p in params]),
-        top_k=i64([p.top_k for p in params]),
-        top_p=f32([p.top_p for p in params]),
-        min_p=f32([p.min_p for p in params]),
-        seeds=i64([s.seed for s in states]),
-        steps=i64([len(s.token_ids) - s.num_prompt_tokens for s in states]),
-        all_greedy=all(p.greedy for p in params),
-        any_top_k=any(p.top_k > 0 for p in params),
-        any_top_p=any(p.top_p < 1.0 for p in params),
-        any_min_p=any(p.min_p > 0.0 for p in params),
-    )
+    if all(p.greedy for p in params):  # the sampler reads no per-row parameter: six tensors spared
+        none = torch.empty(0, device=device)
+        m = SamplingMetadata(none, none, none, none, none, none, True, False, False, False)
+    else:
+        m = SamplingMetadata(
+            temperature=f32([0.0 if p.greedy else p.temperature for p in params]),
+            top_k=i64([p.top_k for p in params]),
+            top_p=f32([p.top_p for p in params]),
+            min_p=f32([p.min_p for p in params]),
+            seeds=i64([s.seed for s in states]),
+            steps=i64([len(s.token_ids) - s.num_prompt_tokens for s in states]),
+            all_greedy=False,
+            any_top_k=any(p.top_k > 0 for p in params),
+            any_top_p=any(p.top_p < 1.0 for p in params),
+            any_min_p=any(p.min_p > 0.0 for p in params),
+        )
     if any(p.logprobs is not None for p in params):
         m.max_num_logprobs = max(p.logprobs or 0 for p in params)
     if any(p.has_penalties for p in params):

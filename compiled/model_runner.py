@@ -19,6 +19,7 @@ from compiled.input_batch import CachedRequestState, InputBatch, StepBatch, cdiv
 from compiled.loader import load_model
 from compiled.quant import describe
 from compiled.sampler import sample
+from compiled.weight_arena import move_weights
 from engine.config import EngineConfig
 from engine.params import SamplingParams
 from engine.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
@@ -47,6 +48,7 @@ class ModelRunner:
         self.model = load_model(
             config.model, dtype, device, config.quantization, gguf_path, rank, config.tensor_parallel_size
         )
+        move_weights(self.model)
         params = {id(p): p for p in self.model.parameters()}.values()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in params)
         self.model.pack_output()

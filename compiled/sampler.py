@@ -35,7 +35,8 @@ def uniform_noise(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
 
 @dataclass
 class SamplingMetadata:
-    """Per-row sampling parameters of one step ([S] tensors on the logits' device)."""
+    """Per-row sampling parameters of one step ([S] tensors on the logits' device; empty when every row is
+    greedy, since the sampler then reads none of them)."""
 
     temperature: Tensor
     top_k: Tensor  # 0 = disabled

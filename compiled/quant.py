@@ -141,17 +141,22 @@ class PackedWeight(nn.Module):
         # through a copy, float ones do not (a one-row product ran 2-3x faster).
         self.words = nn.Parameter(_tile(words).view(torch.float32), requires_grad=False)
         self.scale = nn.Parameter(_tile(w.scale.float()), requires_grad=False)
-        self.min = nn.Parameter(_tile(w.min.float()), requires_grad=False)
+        # Q8_0's and Q4_0's min is the scale times -128 or -8: the kernels compute it (exactly) rather
+        # than read it, a ninth of a Q8_0 weight's bytes. None: the min is the scale times `offset(bits)`.
+        symmetric = torch.equal(w.min, w.scale * offset(w.bits))
+        self.min = None if symmetric else nn.Parameter(_tile(w.min.float()), requires_grad=False)
 
-    def tiles(self, start: int = 0, stop: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def tiles(self, start: int = 0, stop: int | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
         """Tiles start:stop as `dequantize_kn` and `slice_product` take them: words, scales, mins."""
-        return self.words[start:stop], self.scale[start:stop], self.min[start:stop]
+        mn = None if self.min is None else self.min[start:stop]
+        return self.words[start:stop], self.scale[start:stop], mn
 
     def rows(self, index: Tensor) -> Tensor:
         """De-quantized rows [len(index), K] float32: an embedding lookup."""
         t, lane = index // TILE, index % TILE
         words = self.words.view(torch.int32)[t, :, lane]
-        scale, mn = self.scale[t, :, lane], self.min[t, :, lane]
+        scale = self.scale[t, :, lane]
+        mn = scale * offset(self.bits) if self.min is None else self.min[t, :, lane]
         # Few eager ops: a decode step embeds its tokens outside the compiled graphs.
         shifts = torch.arange(0, 32, self.bits, dtype=torch.int32, device=index.device)
         fields = ((words[..., None] >> shifts) & ((1 << self.bits) - 1)).view(*scale.shape, self.group)
@@ -176,13 +181,19 @@ class PackedWeight(nn.Module):
             term = xs[None, :, :, i, None] * field.float()[:, None]  # [T, M, W, TILE]
             inner = term if inner is None else inner + term
         rep = self.group // per_word
-        scale, mn = _per_word(self.scale, rep)[:, None], _per_word(self.min, rep)[:, None]
+        scale = _per_word(self.scale, rep)[:, None]
+        mn = scale * offset(bits) if self.min is None else _per_word(self.min, rep)[:, None]
         y = (scale * inner + mn * x_sum[None, :, :, None]).sum(2)
         return y.permute(1, 0, 2).reshape(m, -1)
 
 
 def dequantize_kn(
-    words: Tensor, scale: Tensor, mn: Tensor, bits: int, group: int, dtype: torch.dtype = torch.float32
+    words: Tensor,
+    scale: Tensor,
+    mn: Tensor | None,
+    bits: int,
+    group: int,
+    dtype: torch.dtype = torch.float32,
 ) -> Tensor:
     """Packed tiles de-quantized and transposed, [K, rows]. The kernel loops over (column, tile, lane),
     so every load and store is a whole tile row; indexed by flat (column, row) instead, Inductor
@@ -196,13 +207,21 @@ def dequantize_kn(
 
     shifts = torch.arange(per_word, device=words.device, dtype=torch.int32) * bits
     fields = (spread(words.view(torch.int32), per_word) >> shifts.repeat(count)[:, None, None]) & mask
-    w = fields.float() * spread(scale, group) + spread(mn, group)
+    scales = spread(scale, group)
+    w = fields.float() * scales + (scales * offset(bits) if mn is None else spread(mn, group))
     return w.to(dtype).view(-1, tiles * lanes)
 
 
-def slice_product(x: Tensor, words: Tensor, scale: Tensor, mn: Tensor, bits: int, group: int) -> Tensor:
+def slice_product(
+    x: Tensor, words: Tensor, scale: Tensor, mn: Tensor | None, bits: int, group: int
+) -> Tensor:
     """x @ a slice of packed tiles, de-quantized in x's dtype: [M, K] -> [M, rows of the slice]."""
     return x @ dequantize_kn(words, scale, mn, bits, group, x.dtype)
+
+
+def offset(bits: int) -> float:
+    """A symmetric format's min in scales: the field's middle value, negated."""
+    return float(-(1 << (bits - 1)))
 
 
 def _tile(t: Tensor) -> Tensor:

@@ -33,7 +33,12 @@ def test_gguf_blocks_decode_as_gguf_does(kind):
     expected = gguf.quants.dequantize(blocks, KINDS[kind])
     ours = from_gguf(kind, blocks, rows, cols)
     assert torch.equal(ours.dequantize(), torch.from_numpy(expected))
-    assert torch.equal(_kn(PackedWeight(ours)).T, torch.from_numpy(expected))
+    packed = PackedWeight(ours)
+    assert (packed.min is None) == (kind != "Q4_1")  # Q4_0's and Q8_0's mins are computed, not stored
+    assert torch.equal(_kn(packed).T, torch.from_numpy(expected))
+    assert torch.equal(packed.rows(torch.arange(rows)), torch.from_numpy(expected))
+    x = torch.randn(2, cols)
+    torch.testing.assert_close(packed.matvec(x), x @ torch.from_numpy(expected).T, rtol=1e-5, atol=1e-5)
 
 
 def test_an_unreadable_block_type_names_the_tensor():

@@ -163,7 +163,8 @@ class CompilePolicy:
             self.few_rows = FEW_HALF_ROWS
         options = dict(INDUCTOR_FLAGS)
         if device.type == "cpu":
-            options.update(CPU_THREADS_FOLLOW_LOAD, **CPU_CONTRACT)
+            options.update(CPU_THREADS_FOLLOW_LOAD)
+            options.update(CPU_CONTRACT)
         if quantized:
             options.update(quant.INDUCTOR_OPTIONS)
         # Guards stay on module attributes and weights: they tell two models of one process apart.
@@ -174,9 +175,9 @@ class CompilePolicy:
                 module.compile(dynamic=True, fullgraph=True, options={**options})
         if device.type == "cpu" and guard_free.supported():
             # The step's eager ends, compiled: each cost ~0.1 ms of a one-row step (a dozen eager ops).
-            for module, kind in ((model.tok_embeddings, _ids_kind), (model.norm, _rows_kind)):
+            for module in (model.tok_embeddings, model.norm):
                 if isinstance(module, (quant.QuantEmbedding, RMSNorm)):
-                    calls = _GuardFreeCalls(type(module).forward, kind, options)
+                    calls = _GuardFreeCalls(type(module).forward, _rows_kind, options)
                     module.forward = functools.partial(calls, module)
         if device.type == "cuda":
             self.decode_forward = torch.compile(model.forward, **CUDA_DECODE)
@@ -274,11 +275,8 @@ def _compile_sliced(head: quant.QuantLinear, options: dict) -> None:
 
 
 def _rows_kind(module: nn.Module, x: Tensor) -> tuple:
-    return x.dtype, x.shape[0] == 1, x.is_contiguous()  # Dynamo specialises one row
-
-
-def _ids_kind(embedding: quant.QuantEmbedding, ids: Tensor) -> tuple:
-    return ids.dtype, ids.shape[0] == 1, ids.is_contiguous()
+    """A module's call on rows (hidden states, token ids): Dynamo specialises one row."""
+    return x.dtype, x.shape[0] == 1, x.is_contiguous()
 
 
 def _slice_kind(x: Tensor, *weight: object) -> tuple:

@@ -262,7 +262,7 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
-        self.register_buffer("rope_cos", None, persistent=False)  # see cache_rope
+        self.register_buffer("rope_cos", None, persistent=False)  # made by cache_rope
         self.register_buffer("rope_sin", None, persistent=False)
         self.packed_output: Tensor | None = None  # see pack_output
 
@@ -278,23 +278,18 @@ class Transformer(nn.Module):
         `block(layer, h, cos, sin, meta)`, when given, runs each layer in place of `layer(h, cos, sin, meta)`.
         """
         h = self.embed(input_ids)
-        if self.rope_cos is not None:
-            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        else:
-            cos, sin = self.rope(positions, h.dtype)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for layer in self.layers:
             h = layer(h, cos, sin, meta) if block is None else block(layer, h, cos, sin, meta)
         return self.norm(h)
 
-    def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    def cache_rope(self, max_len: int, dtype: torch.dtype) -> None:
+        """cos and sin of every position below max_len, made once before the first step: a step gathers its
+        rows, where computing them took seven eager ops (~0.1 ms of a one-row CPU step)."""
+        positions = torch.arange(max_len, device=self.inv_freq.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-    def cache_rope(self, max_len: int, dtype: torch.dtype) -> None:
-        """cos and sin of every position below max_len, the same values `rope` gives: a step then gathers
-        its rows, where computing them took seven eager ops (~0.1 ms of a one-row CPU step)."""
-        self.rope_cos, self.rope_sin = self.rope(torch.arange(max_len, device=self.inv_freq.device), dtype)
+        self.rope_cos, self.rope_sin = emb.cos().to(dtype), emb.sin().to(dtype)
 
     def embed(self, input_ids: Tensor) -> Tensor:
         if self.args.tp_size == 1:

@@ -15,11 +15,11 @@ from torch import Tensor
 
 from compiled import compile_policy, parallel
 from compiled.compile_policy import WARMUP_CONTEXT, CompilePolicy
+from compiled.host_memory import move_weights
 from compiled.input_batch import CachedRequestState, InputBatch, StepBatch, cdiv, sampling_inputs
 from compiled.loader import load_model
 from compiled.quant import describe
 from compiled.sampler import sample
-from compiled.weight_arena import move_weights
 from engine.config import EngineConfig
 from engine.params import SamplingParams
 from engine.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs

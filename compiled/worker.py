@@ -6,7 +6,6 @@ contract (engine/step.py) and plain values, so nothing torch crosses into the en
 
 from __future__ import annotations
 
-import ctypes
 import os
 
 import msgspec
@@ -15,23 +14,11 @@ import torch._inductor.compile_fx  # what torch.compile imports on first use: lo
 
 from compiled import compile_policy, parallel
 from compiled.cpu_threads import CpuThreads
+from compiled.host_memory import keep_freed_memory
 from compiled.loader import convert_gguf, resolve_dtype
 from compiled.model_runner import ModelRunner
 from engine.config import EngineConfig
 from engine.step import ModelRunnerOutput, SchedulerOutput
-
-
-def keep_freed_memory() -> None:
-    """glibc hands blocks above its mmap threshold back to the kernel on free, so a step's large
-    temporaries (a prefill's activations, weights de-quantized for a batch) land on fresh pages every
-    step and pay a fault and a page clearing for each: kept, ~150,000 faults fewer in an offline run, and
-    quantized steps of 8 rows ran 1.6x faster (BENCHMARKS.md). Elsewhere than glibc this does nothing."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-4, 0)  # M_MMAP_MAX: no allocation gets its own mapping
-        libc.mallopt(-1, 1 << 62)  # M_TRIM_THRESHOLD: never give the heap's top back
-    except (OSError, AttributeError):
-        pass
 
 
 def resolve_device(name: str) -> torch.device:

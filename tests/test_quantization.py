@@ -11,7 +11,6 @@ from compiled import quant
 from compiled.loader import _dequantize, _place
 from compiled.models.llama import Linear
 from compiled.quant import INDUCTOR_OPTIONS, PackedWeight, QuantLinear, dequantize_kn, from_gguf, quantize
-from compiled.weight_arena import move_weights
 from engine import LLM
 from engine.config import EngineConfig
 from server.bench.driver import RunnerDriver, build_runner, chat_prompts, greedy_mismatches
@@ -160,24 +159,3 @@ def test_int8_and_int4_perplexity_stay_near_bfloat16(smollm2_dir):
     assert 1 < reference < 100
     assert abs(int8 / reference - 1) < 0.02, (reference, int8)
     assert abs(int4 / reference - 1) < 0.08, (reference, int4)
-
-
-def test_weights_move_into_one_huge_page_block_unchanged():
-    torch.manual_seed(0)
-    model = torch.nn.Module()
-    model.head = torch.nn.Linear(16, 48, bias=True)
-    model.embed = torch.nn.Embedding(48, 16)
-    model.embed.weight = model.head.weight  # tied: moved once, still one parameter
-    # Packed words are float32 bit patterns, NaN ones included: they must move as bytes.
-    packed = PackedWeight(quantize(torch.randn(48, 128), "int4"))
-    model.packed = packed
-    model.packed.words.data[0, 0, 0] = torch.tensor(0x7F800001, dtype=torch.int32).view(torch.float32)
-    before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    move_weights(model)
-    after = dict(model.named_parameters())
-    assert after.keys() == before.keys() and model.embed.weight is model.head.weight
-    for name, p in after.items():
-        assert p.view(torch.uint8).equal(before[name].view(torch.uint8)), name
-    starts = sorted(p.data_ptr() for p in after.values())
-    assert starts[0] % (2 << 20) == 0 and all(s % 64 == 0 for s in starts)
-    assert starts[-1] - starts[0] < sum(p.numel() * p.element_size() + 64 for p in after.values())

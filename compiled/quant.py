@@ -6,9 +6,9 @@ kernel serves them all and the de-quantized values are exactly the format's own.
 
 Packed layout (`PackedWeight`): rows in tiles of `TILE`, the tile's rows side by side innermost, so
 a product with one or a few rows is a reduction Inductor vectorises across the tile's rows with
-whole-vector loads;
-the fields of a row lie in int32 words in order (field `k` of a row: word k // per_word, bits
-(k % per_word) * bits). Scales and mins are float32 in the same tiling: half-precision ones ran
+whole-vector loads. 4-bit fields of a row lie in int32 words in order (field `k` of a row: word
+k // per_word, bits (k % per_word) * bits); 8-bit fields are bytes, [tiles, K, TILE], which one vector
+load widens straight to floats. Scales and mins are float32 in the same tiling: half-precision ones ran
 slower. More rows (prefill, larger decode batches) de-quantize the weight slice by slice for the matmul.
 """
 
@@ -130,16 +130,21 @@ class PackedWeight(nn.Module):
             raise ValueError(f"cannot pack a {n}x{k} {w.kind} weight (groups of {w.group})")
         self.bits, self.group, self.kind = w.bits, w.group, w.kind
         self.out_features, self.in_features = n, k
-        per_word = 32 // w.bits
-        fields = w.q.to(torch.int32).view(n, k // per_word, per_word)
-        words = fields[..., 0].clone()
-        for i in range(1, per_word):
-            words |= fields[..., i] << (w.bits * i)  # the top field wraps into the sign bit, as meant
         # Parameters, not buffers: Dynamo keeps parameters' shapes static in the dynamic layer graphs,
-        # so the kernels are specialised to each weight's sizes. The words are stored as float32 bit
-        # patterns and viewed as int32 inside the kernels: Inductor's CPU loads of int32 vectors go
-        # through a copy, float ones do not (a one-row product ran 2-3x faster).
-        self.words = nn.Parameter(_tile(words).view(torch.float32), requires_grad=False)
+        # so the kernels are specialised to each weight's sizes.
+        if w.bits == 8:
+            # Bytes: masking and shifting fields out of words made the one-row product compute-bound
+            # (a layer's int8 products 1.26x slower, BENCHMARKS.md).
+            self.words = nn.Parameter(_tile(w.q), requires_grad=False)
+        else:
+            per_word = 32 // w.bits
+            fields = w.q.to(torch.int32).view(n, k // per_word, per_word)
+            words = fields[..., 0].clone()
+            for i in range(1, per_word):
+                words |= fields[..., i] << (w.bits * i)  # the top field wraps into the sign bit, as meant
+            # Stored as float32 bit patterns and viewed as int32 inside the kernels: Inductor's CPU loads of
+            # int32 vectors go through a copy, float ones do not (a one-row product ran 2-3x faster).
+            self.words = nn.Parameter(_tile(words).view(torch.float32), requires_grad=False)
         self.scale = nn.Parameter(_tile(w.scale.float()), requires_grad=False)
         # Q8_0's and Q4_0's min is the scale times -128 or -8: the kernels compute it (exactly) rather
         # than read it, a ninth of a Q8_0 weight's bytes. None: the min is the scale times `offset(bits)`.
@@ -154,18 +159,22 @@ class PackedWeight(nn.Module):
     def rows(self, index: Tensor) -> Tensor:
         """De-quantized rows [len(index), K] float32: an embedding lookup."""
         t, lane = index // TILE, index % TILE
-        words = self.words.view(torch.int32)[t, :, lane]
         scale = self.scale[t, :, lane]
         mn = scale * offset(self.bits) if self.min is None else self.min[t, :, lane]
-        # Few eager ops: a decode step embeds its tokens outside the compiled graphs.
-        shifts = torch.arange(0, 32, self.bits, dtype=torch.int32, device=index.device)
-        fields = ((words[..., None] >> shifts) & ((1 << self.bits) - 1)).view(*scale.shape, self.group)
+        if self.bits == 8:
+            fields = self.words[t, :, lane].view(*scale.shape, self.group)
+        else:  # few eager ops: a decode step embeds its tokens outside the compiled graphs
+            words = self.words.view(torch.int32)[t, :, lane]
+            shifts = torch.arange(0, 32, self.bits, dtype=torch.int32, device=index.device)
+            fields = ((words[..., None] >> shifts) & ((1 << self.bits) - 1)).view(*scale.shape, self.group)
         return (fields.float() * scale[..., None] + mn[..., None]).flatten(1)
 
     def matvec(self, x: Tensor) -> Tensor:
         """A few rows [M, K] -> [M, N] float32: each word's fields are masked in place and their inputs
         scaled by the matching power of two (exact), then sum(scale * sum_fields + min * sum_x). Rows
         lie inside tiles ([T, M, TILE]), so a tile's words are read once from memory for all rows."""
+        if self.bits == 8:
+            return self._matvec_bytes(x)
         per_word, bits = 32 // self.bits, self.bits
         mask = (1 << bits) - 1
         m = x.shape[0]
@@ -184,6 +193,18 @@ class PackedWeight(nn.Module):
         scale = _per_word(self.scale, rep)[:, None]
         mn = scale * offset(bits) if self.min is None else _per_word(self.min, rep)[:, None]
         y = (scale * inner + mn * x_sum[None, :, :, None]).sum(2)
+        return y.permute(1, 0, 2).reshape(m, -1)
+
+    def _matvec_bytes(self, x: Tensor) -> Tensor:
+        """`matvec` on 8-bit fields: per group of a row, sum(fields * x), then scaled, plus min * sum_x."""
+        m, (tiles, _, lanes), groups = x.shape[0], self.words.shape, self.scale.shape[1]
+        xf = inductor_prims.force_stride_order(x.float(), x.stride()).view(1, m, groups, self.group, 1)
+        fields = self.words.float().view(tiles, 1, groups, self.group, lanes)
+        inner = (fields * xf).sum(3)  # [T, M, groups, TILE]
+        x_sum = xf.view(m, groups, self.group).sum(-1)[None, :, :, None]
+        scale = self.scale[:, None]
+        mn = scale * offset(self.bits) if self.min is None else self.min[:, None]
+        y = (scale * inner + mn * x_sum).sum(2)
         return y.permute(1, 0, 2).reshape(m, -1)
 
 
@@ -205,11 +226,14 @@ def dequantize_kn(
         c = t.shape[1]
         return t.permute(1, 0, 2)[:, None].expand(c, rep, tiles, lanes).reshape(c * rep, tiles, lanes)
 
-    shifts = torch.arange(per_word, device=words.device, dtype=torch.int32) * bits
-    fields = (spread(words.view(torch.int32), per_word) >> shifts.repeat(count)[:, None, None]) & mask
+    if bits == 8:
+        fields = words.permute(1, 0, 2)
+    else:
+        shifts = torch.arange(per_word, device=words.device, dtype=torch.int32) * bits
+        fields = (spread(words.view(torch.int32), per_word) >> shifts.repeat(count)[:, None, None]) & mask
     scales = spread(scale, group)
     w = fields.float() * scales + (scales * offset(bits) if mn is None else spread(mn, group))
-    return w.to(dtype).view(-1, tiles * lanes)
+    return w.to(dtype).reshape(-1, tiles * lanes)
 
 
 def slice_product(

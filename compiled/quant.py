@@ -170,9 +170,10 @@ class PackedWeight(nn.Module):
         return (fields.float() * scale[..., None] + mn[..., None]).flatten(1)
 
     def matvec(self, x: Tensor) -> Tensor:
-        """A few rows [M, K] -> [M, N] float32: each word's fields are masked in place and their inputs
-        scaled by the matching power of two (exact), then sum(scale * sum_fields + min * sum_x). Rows
-        lie inside tiles ([T, M, TILE]), so a tile's words are read once from memory for all rows."""
+        """A few rows [M, K] -> [M, N] float32. 4-bit: each word's fields are masked in place and their
+        inputs scaled by the matching power of two (exact), then sum(scale * sum_fields + min * sum_x);
+        8-bit: `_matvec_bytes`. Rows lie inside tiles ([T, M, TILE]), so a tile's fields are read once
+        from memory for all rows."""
         if self.bits == 8:
             return self._matvec_bytes(x)
         per_word, bits = 32 // self.bits, self.bits

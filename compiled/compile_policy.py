@@ -43,8 +43,9 @@ CPU_ROW_BLOCKS = 4
 # weight once for all rows: past it, de-quantizing for the matmul costs less than the rows' unpacking.
 FEW_QUANTIZED_ROWS = 8
 # bfloat16 decode steps of up to this many rows take the one-row reduction as well (CPU): oneDNN's
-# matmuls of 2-4 rows ran 1.3-2.3x slower; float32's MKL ones did not (BENCHMARKS.md).
-FEW_HALF_ROWS = 4
+# matmuls of 2-4 rows ran 1.3-2.3x slower; float32's MKL ones did not. On weights packed for oneDNN
+# (Linear.pack) 4 rows run faster as a matmul, 2 still slower (BENCHMARKS.md).
+FEW_HALF_ROWS, FEW_HALF_ROWS_PACKED = 4, 2
 # CUDA-graph trees run a new shape eagerly, record it on its second call and replay it from the third.
 CUDA_GRAPH_RUNS = 3
 CUDA_DECODE = dict(mode="reduce-overhead", fullgraph=True)  # the whole decode forward, one CUDA graph
@@ -160,7 +161,8 @@ class CompilePolicy:
         if quantized and device.type == "cpu":
             self.few_rows = FEW_QUANTIZED_ROWS
         elif device.type == "cpu" and cpu_matmul_dtype(dtype) != torch.float32:
-            self.few_rows = FEW_HALF_ROWS
+            packed = any(getattr(m, "prepacked", None) is not None for m in model.layers.modules())
+            self.few_rows = FEW_HALF_ROWS_PACKED if packed else FEW_HALF_ROWS
         options = dict(INDUCTOR_FLAGS)
         if device.type == "cpu":
             options.update(CPU_THREADS_FOLLOW_LOAD)

@@ -51,14 +51,17 @@ class ModelRunner:
         move_weights(self.model)
         params = {id(p): p for p in self.model.parameters()}.values()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in params)
-        self.model.pack_output()
+        self.model.pack_weights()
+        packed = [m.prepacked for m in self.model.modules() if getattr(m, "prepacked", None) is not None]
+        packed_bytes = sum(w.numel() * w.element_size() for w in packed)
         logger.info(
-            "weights: %.2f GiB %s%s loaded in %.1f s from %s",
+            "weights: %.2f GiB %s%s loaded in %.1f s from %s%s",
             self.weight_bytes / 2**30,
             str(dtype).removeprefix("torch."),
             f" with {describe(list(self.model.modules()))} weights" if config.quantization != "none" else "",
             time.perf_counter() - start,
             gguf_path if config.quantization == "gguf" else config.model,
+            f"; {packed_bytes / 2**30:.2f} GiB more in a copy packed for oneDNN" if packed else "",
         )
         args = self.model.args
         self.vocab_size = args.vocab_size

@@ -125,18 +125,24 @@ def test_bfloat16_decode_matches_transformers(tiny_llama):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_lm_head_rows_run_on_the_packed_weight_on_cpu(tiny_llama, dtype):
-    from compiled.models.llama import cpu_matmul_dtype
+def test_rows_run_on_weights_packed_for_onednn_on_cpu(tiny_llama, dtype):
+    from compiled.models.llama import Linear, cpu_matmul_dtype
 
     runner = build_runner(tiny_llama, dtype=dtype, max_num_seqs=4, num_kv_blocks=8, enforce_eager=True)
-    packed = runner.model.packed_output
-    assert (packed is not None) == torch.backends.mkldnn.is_available()
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 * len(runner.model.layers) + 1
+    for linear in linears:
+        packed = linear.prepacked
+        assert (packed is not None) == torch.backends.mkldnn.is_available()
+        if packed is not None:  # packed in the dtype the matmul runs in on this CPU
+            assert packed.dtype == cpu_matmul_dtype(linear.weight.dtype)
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    w13 = runner.model.layers[0].feed_forward.w13
+    x = torch.randn(7, 64).to(w13.weight.dtype)
+    torch.testing.assert_close(w13(x).float(), x.float() @ w13.weight.float().T, rtol=tol, atol=tol)
     weight = runner.model.output.weight
-    if packed is not None:  # packed in the dtype the matmul runs in on this CPU
-        assert packed.dtype == cpu_matmul_dtype(weight.dtype)
     hidden = torch.randn(5, 64).to(weight.dtype)
     expected = hidden.float() @ weight.float().T
-    tol = 1e-5 if dtype == "float32" else 2e-2
     logits = runner.model.compute_logits(hidden)
     assert logits.dtype == torch.float32 and logits.is_contiguous()  # row maxima read rows
     torch.testing.assert_close(logits, expected, rtol=tol, atol=tol)
@@ -212,10 +218,10 @@ def test_bfloat16_teacher_forced_matches_transformers_bfloat16(smollm2_dir, smol
     torch._dynamo.reset()
     runner = build_runner(smollm2_dir, dtype="bfloat16", max_num_seqs=16, num_kv_blocks=128)
     runner.initialize_kv_cache(128)
-    # Every other decode step of three sequences: where the CPU computes in bfloat16, those run the graph
+    # Every other decode step of two sequences: where the CPU computes in bfloat16, those run the graph
     # for a few rows (matrix-vector reductions), the rest the one for more.
-    ours = teacher_forced_logits(runner, sequences, [len(p) for p in prompts], few=3)
-    assert ("few" in runner.policy.decode_graphs) == (runner.policy.few_rows >= 3)
+    ours = teacher_forced_logits(runner, sequences, [len(p) for p in prompts], few=2)
+    assert ("few" in runner.policy.decode_graphs) == (runner.policy.few_rows >= 2)
     hf16 = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16).eval()
     rows: dict[tuple, tuple] = {}  # context -> (ours, transformers bfloat16, float32)
     for seq, logits in zip(sequences, ours):

@@ -146,8 +146,9 @@ class Linear(nn.Linear):
       `row_blocks` blocks side by side so that each thread streams several places of the weight at once.
       The input is materialised once in float32 first: left to fuse, Inductor would recompute the
       RMSNorm for every weight row.
-    - `weight_left` (a decode batch on CPU): MKL's sgemm is much faster with the weight as its left
-      operand, (W @ xᵀ)ᵀ; prefill keeps F.linear, whose outputs its consumers read faster.
+    - `prepacked` (CPU, set by `pack`): more rows run through oneDNN on a copy of the weight packed for it.
+    - `weight_left` (a decode batch on CPU, unpacked): MKL's sgemm is much faster with the weight as its
+      left operand, (W @ xᵀ)ᵀ; prefill keeps F.linear, whose outputs its consumers read faster.
     - Half-precision weights on a CPU without bfloat16 arithmetic: the matmul runs in float32 (products
       of bfloat16 values are exact there), since BLAS emulates bfloat16 several times slower.
     """
@@ -155,9 +156,16 @@ class Linear(nn.Linear):
     row_blocks = 0
     few_rows = False
 
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.register_buffer("prepacked", None, persistent=False)  # see pack
+
     def forward(self, x: Tensor, weight_left: bool = False) -> Tensor:
         if self.row_blocks and (x.shape[0] == 1 or self.few_rows):
             return self.matvec(x)
+        if self.prepacked is not None:
+            w, b = self.prepacked, None if self.bias is None else self.bias.to(self.prepacked.dtype)
+            return torch.ops.kiln.packed_linear(x.to(w.dtype), w, b).to(x.dtype)
         w, b, dtype = self.weight, self.bias, x.dtype
         if x.device.type == "cpu" and cpu_matmul_dtype(dtype) != dtype:
             x, w, b = x.float(), w.float(), None if b is None else b.float()
@@ -176,6 +184,38 @@ class Linear(nn.Linear):
         )
         y = y.to(dtype)
         return y if b is None else y + b
+
+    def pack(self) -> None:
+        """On CPU, matmuls of several rows run through oneDNN on a copy of the weight packed once for it,
+        in the dtype the matmul runs in (float32 on CPUs without bfloat16 arithmetic). 1.4x faster than
+        the unpacked matmul at 16 rows, ~4 % at 128 to 4,096 (BENCHMARKS.md), for a second copy of the
+        weight: one row (and a few, where `few_rows`) keeps the compiled reduction over the original."""
+        w = self.weight
+        dtype = cpu_matmul_dtype(w.dtype)
+        if w.device.type == "cpu" and torch.backends.mkldnn.is_available() and dtype in PACKED_DTYPES:
+            # The row-count hint hardly matters: packed for 8, 32 or 64 rows, every count ran alike.
+            self.prepacked = torch.ops.mkldnn._reorder_linear_weight(w.detach().to(dtype), 64)
+
+
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+# oneDNN's linear over a packed weight, as an op Inductor calls as it is: its own lowering of the op
+# takes the weight for a constant, and kiln's layer graphs take weights as inputs.
+_lib = torch.library.Library("kiln", "FRAGMENT")
+_lib.define("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")
+
+
+def _packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+for _key in ("CPU", "MkldnnCPU"):  # a packed bfloat16 weight is an oneDNN tensor
+    _lib.impl("packed_linear", _packed_linear, _key)
+
+
+@torch.library.register_fake("kiln::packed_linear")
+def _(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0])
 
 
 class RMSNorm(nn.Module):
@@ -264,7 +304,6 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
         self.register_buffer("rope_cos", None, persistent=False)  # made by cache_rope
         self.register_buffer("rope_sin", None, persistent=False)
-        self.packed_output: Tensor | None = None  # see pack_output
 
     def forward(
         self,
@@ -303,27 +342,18 @@ class Transformer(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor | None:
         """Logits of the sampled rows: at most one per sequence, a decode batch's worth. Under tensor
         parallelism every rank computes its vocabulary shard and rank 0 gets them all (None elsewhere)."""
-        if self.packed_output is not None and hidden.shape[0] > 1:
-            logits = torch.ops.mkldnn._linear_pointwise(
-                hidden.to(self.packed_output.dtype), self.packed_output, None, "none", [], ""
-            ).float()
-        else:
-            logits = self.output(hidden, weight_left=True).float()
+        logits = self.output(hidden, weight_left=True).float()
         return logits if self.args.tp_size == 1 else parallel.gather_vocab(logits, self.args.vocab_size)
 
-    def pack_output(self) -> None:
-        """On CPU, LM heads of several rows run through oneDNN on a copy of the weight packed once, the
-        largest matmul of a decode step (BENCHMARKS.md). The copy is in the dtype the matmul runs in:
-        float32 on CPUs without bfloat16 arithmetic, which spares converting the weight every step. Its
-        logits come out row-major, which the sampler's row maxima read several times faster than the
-        transposed product. One row keeps the compiled matrix-vector reduction, faster still."""
-        w = getattr(self.output, "weight", None)  # a quantized head has none: it stays packed
-        if w is None or w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-            return
-        dtype = cpu_matmul_dtype(w.dtype)
-        if dtype in (torch.float32, torch.bfloat16):
-            # The row-count hint hardly matters: packed for 8, 32 or 64 rows, every count ran alike.
-            self.packed_output = torch.ops.mkldnn._reorder_linear_weight(w.detach().to(dtype), 64)
+    def pack_weights(self) -> None:
+        """Every plain Linear's weight packed for oneDNN (`Linear.pack`), the LM head's included: the
+        largest matmul of a decode step, whose logits then come out row-major, which the sampler's row
+        maxima read several times faster than the transposed product. Quantized layers keep their own."""
+        for module in self.modules():
+            if type(module) is Linear:
+                module.pack()
+        if getattr(self.output, "prepacked", None) is not None:  # a quantized head has none
+            self.output.few_rows = False  # one weight read for all rows beats one a row from 2 rows on
 
     def use_fused_kernels(self, row_blocks: int) -> None:
         """The formulations that are fast once Inductor fuses them (eagerly they would materialise large

@@ -46,6 +46,9 @@ FEW_QUANTIZED_ROWS = 8
 # matmuls of 2-4 rows ran 1.3-2.3x slower; float32's MKL ones did not. On weights packed for oneDNN
 # (Linear.pack) 4 rows run faster as a matmul, 2 still slower (BENCHMARKS.md).
 FEW_HALF_ROWS, FEW_HALF_ROWS_PACKED = 4, 2
+# float32 decode steps of up to this many rows keep MKL's matmul on the weight as stored: at 2 rows it
+# ran 1.6x faster than oneDNN's on the packed copy, from 4 rows on slower.
+FEW_FLOAT_ROWS_UNPACKED = 2
 # CUDA-graph trees run a new shape eagerly, record it on its second call and replay it from the third.
 CUDA_GRAPH_RUNS = 3
 CUDA_DECODE = dict(mode="reduce-overhead", fullgraph=True)  # the whole decode forward, one CUDA graph
@@ -154,15 +157,19 @@ class CompilePolicy:
         self.decode_forward: Callable[..., Tensor] = model.forward
         self.decode_graphs: dict[str, Callable] = {}  # kind of decode step -> how its layers run
         self.few_rows = 1  # decode steps of at most this many rows are of their own kind
+        self.few_reduce = True  # whose linear layers reduce row by row (else: matmuls on unpacked weights)
         if enforce_eager:
             return
         model.use_fused_kernels(CPU_ROW_BLOCKS if device.type == "cpu" else 1)
         quantized = any(isinstance(m, quant.PackedWeight) for m in model.modules())
         if quantized and device.type == "cpu":
             self.few_rows = FEW_QUANTIZED_ROWS
-        elif device.type == "cpu" and cpu_matmul_dtype(dtype) != torch.float32:
+        elif device.type == "cpu":
             packed = any(getattr(m, "prepacked", None) is not None for m in model.layers.modules())
-            self.few_rows = FEW_HALF_ROWS_PACKED if packed else FEW_HALF_ROWS
+            if cpu_matmul_dtype(dtype) != torch.float32:
+                self.few_rows = FEW_HALF_ROWS_PACKED if packed else FEW_HALF_ROWS
+            elif packed:
+                self.few_rows, self.few_reduce = FEW_FLOAT_ROWS_UNPACKED, False
         options = dict(INDUCTOR_FLAGS)
         if device.type == "cpu":
             options.update(CPU_THREADS_FOLLOW_LOAD)
@@ -229,14 +236,15 @@ class CompilePolicy:
         return "one" if rows == 1 else "few" if rows <= self.few_rows else "more"
 
     def _prefill(self, token_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
-        Linear.few_rows = False
+        Linear.few_rows, Linear.packed_rows = False, True
         with flags():
             return self.prefill_forward(token_ids, positions, meta)
 
     def _decode(self, token_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         kind = self._decode_kind(token_ids.shape[0])
         # Read by the layers as they trace: each kind of step gets graphs of its own.
-        Linear.few_rows = kind == "few"
+        few = kind == "few"
+        Linear.few_rows, Linear.packed_rows = few and self.few_reduce, not few or self.few_reduce
         graph = self.decode_graphs.get(kind)
         if isinstance(graph, guard_free.GuardFreeGraph):  # nothing traces: the flags would cost ~0.2 ms
             return self.model.forward(token_ids, positions, meta, block=graph)

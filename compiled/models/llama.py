@@ -155,6 +155,7 @@ class Linear(nn.Linear):
 
     row_blocks = 0
     few_rows = False
+    packed_rows = True  # False while the policy traces a step whose rows run on the weight as stored
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -163,7 +164,7 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor, weight_left: bool = False) -> Tensor:
         if self.row_blocks and (x.shape[0] == 1 or self.few_rows):
             return self.matvec(x)
-        if self.prepacked is not None:
+        if self.prepacked is not None and self.packed_rows:
             w, b = self.prepacked, None if self.bias is None else self.bias.to(self.prepacked.dtype)
             return torch.ops.kiln.packed_linear(x.to(w.dtype), w, b).to(x.dtype)
         w, b, dtype = self.weight, self.bias, x.dtype

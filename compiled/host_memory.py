@@ -55,3 +55,12 @@ def move_weights(model: nn.Module) -> None:
         home.copy_(p.data.contiguous().view(-1).view(torch.uint8))  # bytes as they are (NaN patterns too)
         p.data = home.view(p.dtype).view(p.shape)
         offset += size
+
+
+def available_ram() -> int:
+    """Bytes of RAM the kernel can give without swapping (MemAvailable)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")

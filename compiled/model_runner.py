@@ -15,7 +15,7 @@ from torch import Tensor
 
 from compiled import compile_policy, parallel
 from compiled.compile_policy import WARMUP_CONTEXT, CompilePolicy
-from compiled.host_memory import move_weights
+from compiled.host_memory import available_ram, move_weights
 from compiled.input_batch import CachedRequestState, InputBatch, StepBatch, cdiv, sampling_inputs
 from compiled.loader import load_model
 from compiled.quant import describe
@@ -25,6 +25,7 @@ from engine.params import SamplingParams
 from engine.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 
 logger = logging.getLogger("kiln.runner")
+PACKED_COPY_RAM_FRACTION = 0.25  # of the RAM available once the weights are loaded
 PROMPT_LOGITS_ROWS = 256  # rows of prompt logits computed at once: 256 x vocab floats (~50 MB for 49k)
 
 
@@ -51,7 +52,9 @@ class ModelRunner:
         move_weights(self.model)
         params = {id(p): p for p in self.model.parameters()}.values()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in params)
-        self.model.pack_weights()
+        # A packed copy doubles the weights' memory: made only where most of the RAM stays for the KV cache.
+        if device.type == "cpu" and self.weight_bytes <= available_ram() * PACKED_COPY_RAM_FRACTION:
+            self.model.pack_weights()
         packed = [m.prepacked for m in self.model.modules() if getattr(m, "prepacked", None) is not None]
         packed_bytes = sum(w.numel() * w.element_size() for w in packed)
         logger.info(

@@ -14,7 +14,7 @@ import torch._inductor.compile_fx  # what torch.compile imports on first use: lo
 
 from compiled import compile_policy, parallel
 from compiled.cpu_threads import CpuThreads
-from compiled.host_memory import keep_freed_memory
+from compiled.host_memory import available_ram, keep_freed_memory
 from compiled.loader import convert_gguf, resolve_dtype
 from compiled.model_runner import ModelRunner
 from engine.config import EngineConfig
@@ -98,7 +98,7 @@ class Worker:
         else:
             # Every rank of every engine core on a CPU allocates its cache from the same RAM.
             shares = c.tensor_parallel_size * c.data_parallel_size
-            budget = int(_available_ram() * c.cpu_kv_cache_fraction) // shares
+            budget = int(available_ram() * c.cpu_kv_cache_fraction) // shares
         useful = c.max_num_seqs * r.max_blocks_per_seq + 1
         num_blocks = min(budget // r.kv_bytes_per_block(), useful)
         if num_blocks < 2:
@@ -129,14 +129,6 @@ class Worker:
         if self.threads is not None:
             self.threads.update()
         return self.runner.execute_model(so)
-
-
-def _available_ram() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
 def _share_cores(share: int, shares: int, num_threads: int | None) -> int:

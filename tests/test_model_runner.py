@@ -149,6 +149,23 @@ def test_rows_run_on_weights_packed_for_onednn_on_cpu(tiny_llama, dtype):
     torch.testing.assert_close(runner.model.compute_logits(hidden[:1]), expected[:1], rtol=tol, atol=tol)
 
 
+def test_no_packed_copy_where_it_would_crowd_the_ram(tiny_llama, monkeypatch):
+    from compiled import model_runner
+
+    def runner():
+        return build_runner(tiny_llama, dtype="float32", max_num_seqs=4, num_kv_blocks=8, enforce_eager=True)
+
+    ram = 100 * runner().weight_bytes
+    monkeypatch.setattr(model_runner, "available_ram", lambda: ram)  # weights at 1 % of it: packed
+    assert (runner().model.output.prepacked is not None) == torch.backends.mkldnn.is_available()
+    monkeypatch.setattr(model_runner, "available_ram", lambda: ram // 50)  # at 50 %: not
+    runner = runner()
+    assert all(getattr(m, "prepacked", None) is None for m in runner.model.modules())
+    hidden = torch.randn(5, 64)
+    expected = hidden @ runner.model.output.weight.T
+    torch.testing.assert_close(runner.model.compute_logits(hidden), expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_packed_step_logits_match_transformers_smollm2(smollm2_dir):
     check_packed_step(smollm2_dir, vocab=49152)

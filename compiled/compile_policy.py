@@ -236,9 +236,7 @@ class CompilePolicy:
         return "one" if rows == 1 else "few" if rows <= self.few_rows else "more"
 
     def _prefill(self, token_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
-        # Not on the packed weights: oneDNN keeps memory for every row count it meets (~2 MB a weight
-        # shape and count), and a prefill's token counts vary step by step where decode's are bucketed.
-        Linear.few_rows, Linear.packed_rows = False, False
+        Linear.few_rows, Linear.packed_rows = False, True
         with flags():
             return self.prefill_forward(token_ids, positions, meta)
 

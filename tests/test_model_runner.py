@@ -139,7 +139,7 @@ def test_rows_run_on_weights_packed_for_onednn_on_cpu(tiny_llama, dtype):
     tol = 1e-5 if dtype == "float32" else 2e-2
     w13 = runner.model.layers[0].feed_forward.w13
     x = torch.randn(7, 64).to(w13.weight.dtype)
-    torch.testing.assert_close(w13(x).float(), x.float() @ w13.weight.float().T, rtol=tol, atol=tol)
+    torch.testing.assert_close(w13(x, True).float(), x.float() @ w13.weight.float().T, rtol=tol, atol=tol)
     weight = runner.model.output.weight
     hidden = torch.randn(5, 64).to(weight.dtype)
     expected = hidden.float() @ weight.float().T

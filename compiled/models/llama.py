@@ -146,9 +146,9 @@ class Linear(nn.Linear):
       `row_blocks` blocks side by side so that each thread streams several places of the weight at once.
       The input is materialised once in float32 first: left to fuse, Inductor would recompute the
       RMSNorm for every weight row.
-    - `prepacked` (CPU, set by `pack`): more rows run through oneDNN on a copy of the weight packed for it.
-    - `weight_left` (a decode batch on CPU, unpacked): MKL's sgemm is much faster with the weight as its
-      left operand, (W @ xᵀ)ᵀ; prefill keeps F.linear, whose outputs its consumers read faster.
+    - `weight_left` marks a decode batch. On CPU its rows run through oneDNN on a copy of the weight packed
+      for it (`prepacked`, set by `pack`); unpacked, MKL's sgemm is much faster with the weight as its
+      left operand, (W @ xᵀ)ᵀ. Prefill keeps F.linear, whose outputs its consumers read faster.
     - Half-precision weights on a CPU without bfloat16 arithmetic: the matmul runs in float32 (products
       of bfloat16 values are exact there), since BLAS emulates bfloat16 several times slower.
     """
@@ -164,7 +164,9 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor, weight_left: bool = False) -> Tensor:
         if self.row_blocks and (x.shape[0] == 1 or self.few_rows):
             return self.matvec(x)
-        if self.prepacked is not None and self.packed_rows:
+        # Prefill stays off the packed copy: oneDNN keeps memory for every row count it meets (~2 MB a
+        # weight shape and count), and prefill token counts vary step by step where decode's are bucketed.
+        if self.prepacked is not None and self.packed_rows and weight_left:
             w, b = self.prepacked, None if self.bias is None else self.bias.to(self.prepacked.dtype)
             return torch.ops.kiln.packed_linear(x.to(w.dtype), w, b).to(x.dtype)
         w, b, dtype = self.weight, self.bias, x.dtype

@@ -189,10 +189,10 @@ class Linear(nn.Linear):
         return y if b is None else y + b
 
     def pack(self) -> None:
-        """On CPU, matmuls of several rows run through oneDNN on a copy of the weight packed once for it,
-        in the dtype the matmul runs in (float32 on CPUs without bfloat16 arithmetic). 1.4x faster than
-        the unpacked matmul at 16 rows, ~4 % at 128 to 4,096 (BENCHMARKS.md), for a second copy of the
-        weight: one row (and a few, where `few_rows`) keeps the compiled reduction over the original."""
+        """On CPU, decode matmuls of several rows run through oneDNN on a copy of the weight packed once for
+        it, in the dtype the matmul runs in (float32 on CPUs without bfloat16 arithmetic). 1.4x faster than
+        the unpacked matmul at 16 rows, ~4 % at 128 (BENCHMARKS.md), for a second copy of the weight: one
+        row (and a few, where `few_rows`) keeps the compiled reduction over the original."""
         w = self.weight
         dtype = cpu_matmul_dtype(w.dtype)
         if w.device.type == "cpu" and torch.backends.mkldnn.is_available() and dtype in PACKED_DTYPES:

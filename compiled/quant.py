@@ -7,9 +7,10 @@ kernel serves them all and the de-quantized values are exactly the format's own.
 Packed layout (`PackedWeight`): rows in tiles of `TILE`, the tile's rows side by side innermost, so
 a product with one or a few rows is a reduction Inductor vectorises across the tile's rows with
 whole-vector loads. 4-bit fields of a row lie in int32 words in order (field `k` of a row: word
-k // per_word, bits (k % per_word) * bits); 8-bit fields are bytes, [tiles, K, TILE], which one vector
-load widens straight to floats. Scales and mins are float32 in the same tiling: half-precision ones ran
-slower. More rows (prefill, larger decode batches) de-quantize the weight slice by slice for the matmul.
+k // per_word, bits (k % per_word) * bits); 8-bit fields are signed bytes (q - 128), [tiles, K, TILE],
+which one vector load widens straight to floats, so a symmetric 8-bit format has no min term at all.
+Scales and mins are float32 in the same tiling: half-precision ones ran slower. More rows (prefill,
+larger decode batches) de-quantize the weight slice by slice for the matmul.
 """
 
 from __future__ import annotations
@@ -50,8 +51,11 @@ class Quantized:
         return self.q.shape[1] // self.scale.shape[1]
 
     def dequantize(self) -> Tensor:
-        g = self.group
-        return self.q.float() * self.scale.repeat_interleave(g, 1) + self.min.repeat_interleave(g, 1)
+        """The values as the packed kernels compute them (8-bit fields signed, as Q8_0 defines them)."""
+        g, q, mn = self.group, self.q.float(), self.min
+        if self.bits == 8:
+            q, mn = q - 128, mn + 128 * self.scale
+        return q * self.scale.repeat_interleave(g, 1) + mn.repeat_interleave(g, 1)
 
     def rows(self, index: Tensor) -> Quantized:
         return Quantized(self.q[index], self.scale[index], self.min[index], self.bits, self.kind)
@@ -97,8 +101,9 @@ def from_gguf(kind: str, data: np.ndarray, rows: int, cols: int) -> Quantized:
 
 
 def quantize(w: Tensor, method: str) -> Quantized:
-    """Round to nearest between each group's min and max (asymmetric, as the packed form has a min
-    anyway): int8 in groups of INT8_GROUP columns, int4 in groups of INT4_GROUP."""
+    """Round to nearest: int8 in groups of INT8_GROUP columns, symmetric about zero (as Q8_0), so the
+    kernels compute the min rather than read it; int4 in groups of INT4_GROUP, between each group's min
+    and max, since 15 steps over a group's whole range would cost 4-bit weights too much."""
     w = w.detach().float()
     n, k = w.shape
     bits, group = (8, INT8_GROUP) if method == "int8" else (4, INT4_GROUP)
@@ -106,7 +111,11 @@ def quantize(w: Tensor, method: str) -> Quantized:
     top = (1 << bits) - 1
     g = w.view(n, k // group, group)
     lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / top).clamp_min(1e-12)
+    if bits == 8:  # fields 1..255 about 128, and a min of exactly -128 scales
+        scale = (torch.maximum(hi, -lo) / 127).clamp_min(1e-12)
+        lo = -128 * scale
+    else:
+        scale = ((hi - lo) / top).clamp_min(1e-12)
     q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, top).to(torch.uint8)
     return Quantized(q.view(n, k), scale, lo, bits, method)
 
@@ -135,7 +144,8 @@ class PackedWeight(nn.Module):
         if w.bits == 8:
             # Bytes: masking and shifting fields out of words made the one-row product compute-bound
             # (a layer's int8 products 1.26x slower, BENCHMARKS.md).
-            self.words = nn.Parameter(_tile(w.q), requires_grad=False)
+            signed = (w.q.to(torch.int16) - 128).to(torch.int8)
+            self.words = nn.Parameter(_tile(signed), requires_grad=False)
         else:
             per_word = 32 // w.bits
             fields = w.q.to(torch.int32).view(n, k // per_word, per_word)
@@ -146,10 +156,11 @@ class PackedWeight(nn.Module):
             # int32 vectors go through a copy, float ones do not (a one-row product ran 2-3x faster).
             self.words = nn.Parameter(_tile(words).view(torch.float32), requires_grad=False)
         self.scale = nn.Parameter(_tile(w.scale.float()), requires_grad=False)
-        # Q8_0's and Q4_0's min is the scale times -128 or -8: the kernels compute it (exactly) rather
-        # than read it, a ninth of a Q8_0 weight's bytes. None: the min is the scale times `offset(bits)`.
-        symmetric = torch.equal(w.min, w.scale * offset(w.bits))
-        self.min = None if symmetric else nn.Parameter(_tile(w.min.float()), requires_grad=False)
+        # The min of the stored fields. Symmetric formats (Q8_0, int8, Q4_0) have none to read: the
+        # kernels compute it (Q4_0: -8 scales) or drop it (8-bit), a ninth of a Q8_0 weight's bytes.
+        mn = w.min + 128 * w.scale if w.bits == 8 else w.min
+        symmetric = torch.equal(mn, w.scale * offset(w.bits))
+        self.min = None if symmetric else nn.Parameter(_tile(mn.float()), requires_grad=False)
 
     def tiles(self, start: int = 0, stop: int | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
         """Tiles start:stop as `dequantize_kn` and `slice_product` take them: words, scales, mins."""
@@ -160,14 +171,15 @@ class PackedWeight(nn.Module):
         """De-quantized rows [len(index), K] float32: an embedding lookup."""
         t, lane = index // TILE, index % TILE
         scale = self.scale[t, :, lane]
-        mn = scale * offset(self.bits) if self.min is None else self.min[t, :, lane]
+        mn = _min(scale, None if self.min is None else self.min[t, :, lane], self.bits)
         if self.bits == 8:
             fields = self.words[t, :, lane].view(*scale.shape, self.group)
         else:  # few eager ops: a decode step embeds its tokens outside the compiled graphs
             words = self.words.view(torch.int32)[t, :, lane]
             shifts = torch.arange(0, 32, self.bits, dtype=torch.int32, device=index.device)
             fields = ((words[..., None] >> shifts) & ((1 << self.bits) - 1)).view(*scale.shape, self.group)
-        return (fields.float() * scale[..., None] + mn[..., None]).flatten(1)
+        w = fields.float() * scale[..., None]
+        return (w if mn is None else w + mn[..., None]).flatten(1)
 
     def matvec(self, x: Tensor) -> Tensor:
         """A few rows [M, K] -> [M, N] float32. 4-bit: each word's fields are masked in place and their
@@ -197,15 +209,15 @@ class PackedWeight(nn.Module):
         return y.permute(1, 0, 2).reshape(m, -1)
 
     def _matvec_bytes(self, x: Tensor) -> Tensor:
-        """`matvec` on 8-bit fields: per group of a row, sum(fields * x), then scaled, plus min * sum_x."""
+        """`matvec` on 8-bit fields: per group of a row, sum(fields * x), then scaled (plus min * sum_x
+        where the format has a min)."""
         m, (tiles, _, lanes), groups = x.shape[0], self.words.shape, self.scale.shape[1]
         xf = inductor_prims.force_stride_order(x.float(), x.stride()).view(1, m, groups, self.group, 1)
         fields = self.words.float().view(tiles, 1, groups, self.group, lanes)
-        inner = (fields * xf).sum(3)  # [T, M, groups, TILE]
-        x_sum = xf.view(m, groups, self.group).sum(-1)[None, :, :, None]
-        scale = self.scale[:, None]
-        mn = scale * offset(self.bits) if self.min is None else self.min[:, None]
-        y = (scale * inner + mn * x_sum).sum(2)
+        y = self.scale[:, None] * (fields * xf).sum(3)  # [T, M, groups, TILE]
+        if self.min is not None:
+            y = y + self.min[:, None] * xf.view(m, groups, self.group).sum(-1)[None, :, :, None]
+        y = y.sum(2)
         return y.permute(1, 0, 2).reshape(m, -1)
 
 
@@ -233,7 +245,8 @@ def dequantize_kn(
         shifts = torch.arange(per_word, device=words.device, dtype=torch.int32) * bits
         fields = (spread(words.view(torch.int32), per_word) >> shifts.repeat(count)[:, None, None]) & mask
     scales = spread(scale, group)
-    w = fields.float() * scales + (scales * offset(bits) if mn is None else spread(mn, group))
+    mins = _min(scales, None if mn is None else spread(mn, group), bits)
+    w = fields.float() * scales if mins is None else fields.float() * scales + mins
     return w.to(dtype).reshape(-1, tiles * lanes)
 
 
@@ -245,8 +258,16 @@ def slice_product(
 
 
 def offset(bits: int) -> float:
-    """A symmetric format's min in scales: the field's middle value, negated."""
-    return float(-(1 << (bits - 1)))
+    """A symmetric format's min in scales of its stored fields: 4-bit fields are unsigned (min -8 scales),
+    8-bit ones signed (min 0)."""
+    return 0.0 if bits == 8 else float(-(1 << (bits - 1)))
+
+
+def _min(scale: Tensor, mn: Tensor | None, bits: int) -> Tensor | None:
+    """The min term to add, computed where the format stores none; None where it is zero."""
+    if mn is not None or bits == 8:
+        return mn
+    return scale * offset(bits)
 
 
 def _tile(t: Tensor) -> Tensor:

@@ -204,7 +204,7 @@ class PackedWeight(nn.Module):
             inner = term if inner is None else inner + term
         rep = self.group // per_word
         scale = _per_word(self.scale, rep)[:, None]
-        mn = scale * offset(bits) if self.min is None else _per_word(self.min, rep)[:, None]
+        mn = _min(scale, None if self.min is None else _per_word(self.min, rep)[:, None], bits)
         y = (scale * inner + mn * x_sum[None, :, :, None]).sum(2)
         return y.permute(1, 0, 2).reshape(m, -1)
 
@@ -265,7 +265,7 @@ def offset(bits: int) -> float:
 
 def _min(scale: Tensor, mn: Tensor | None, bits: int) -> Tensor | None:
     """The min term to add, computed where the format stores none; None where it is zero."""
-    if mn is not None or bits == 8:
+    if mn is not None or offset(bits) == 0:
         return mn
     return scale * offset(bits)
 

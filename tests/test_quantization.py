@@ -52,7 +52,7 @@ def test_packed_kernels_compute_the_dequantized_product(method, monkeypatch):
     q = quantize(w, method)
     dense, packed = q.dequantize(), PackedWeight(q)
     assert (dense - w).abs().max() <= (0.5 if method == "int4" else 0.05) * w.abs().max()
-    assert (packed.min is None) == (method == "int8")  # int8 is symmetric: its min is computed, not read
+    assert (packed.min is None) == (method == "int8")  # int8 is symmetric: no min to read
     assert torch.equal(_kn(packed).T, dense)
     assert torch.equal(_kn(packed, 1, 3, torch.bfloat16).T, dense[16:48].bfloat16())
     monkeypatch.setattr(quant, "CHUNK_ROWS", 32)  # several rows take the weight in two slices

@@ -28,6 +28,7 @@ tokens of `P` multi-token chunks (fresh prefills, or chunks continuing after cac
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import mmap
 from collections.abc import Callable
@@ -204,27 +205,67 @@ def prefill_attention(
 def prefill_attention_chunks(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, chunks: Tensor, scale: float
 ) -> Tensor:
-    """Multi-token chunks one at a time: q [N, H, D] holds their queries chunk after chunk, `chunks` [P, 2]
-    each one's first position and query count (`block_tables` [P, W]); -> [N, H, D]. No chunk pays for
-    another's length, as each does in the padded batch (several times the work for prompts of mixed
-    lengths)."""
-    out, first = torch.empty_like(q), 0
-    bs = v_cache.shape[3]
-    for i, (start, n) in enumerate(chunks.tolist()):
-        if n == 0:  # the empty chunk a step with one carries (compiled/input_batch.py)
-            continue
+    """Multi-token chunks: q [N, H, D] holds their queries chunk after chunk, `chunks` [P, 2] each one's
+    first position and query count (`block_tables` [P, W]); -> [N, H, D]. No chunk pays for another's
+    length, as each does in one padded batch (several times the work for prompts of mixed lengths):
+    fresh prompts of one length run as one batch (`_causal_batch`), every other chunk alone through SDPA."""
+    out, bs = torch.empty_like(q), v_cache.shape[3]
+    spans = chunks.tolist()
+    firsts = [0, *itertools.accumulate(n for _, n in spans)]
+    groups: dict[tuple[int, int], list[int]] = {}  # fresh prompts by length; any other chunk on its own
+    for i, (start, n) in enumerate(spans):
+        if n:  # the empty chunk a step with one carries (compiled/input_batch.py) has nothing to compute
+            groups.setdefault((0, n) if start == 0 else (-1 - i, n), []).append(i)
+    for (_, n), rows in groups.items():
+        start = spans[rows[0]][0]
         end = start + n
-        table = block_tables[i : i + 1, : -(-end // bs)]
-        k = _gather_keys(k_cache, table)[:, :, :end]  # [1, Hkv, end, D]: every slot written
+        table = block_tables[rows, : -(-end // bs)]
+        k = _gather_keys(k_cache, table)[:, :, :end]  # [len(rows), Hkv, end, D]: every slot written
         v = _gather_values(v_cache, table)[:, :, :end]
-        qi = q[first : first + n].transpose(0, 1)[None]  # [1, H, n, D]
+        if len(rows) > 1:
+            index = torch.cat([torch.arange(firsts[i], firsts[i] + n) for i in rows])
+            out[index] = _causal_batch(q[index].view(len(rows), n, *q.shape[1:]), k, v, scale).flatten(0, 1)
+            continue
+        qi = q[firsts[rows[0]] : firsts[rows[0]] + n].transpose(0, 1)[None]  # [1, H, n, D]
         if start == 0:
             o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
             mask = torch.arange(end, device=q.device) <= torch.arange(start, end, device=q.device)[:, None]
             o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[first : first + n] = o[0].transpose(0, 1)
-        first += n
+        out[firsts[rows[0]] : firsts[rows[0]] + n] = o[0].transpose(0, 1)
+    return out
+
+
+CAUSAL_TILE = 64  # query rows a batched product takes at once: each reads the keys up to its last row
+
+
+def _causal_batch(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """Fresh prompts of one length, q [B, n, H, D], k and v [B, Hkv, n, D] -> [B, n, H, D]: batched
+    matmuls over every prompt and KV head at once, a tile of query rows at a time so that the causal
+    half is mostly skipped. On CPU this beats SDPA called prompt by prompt, whose flash kernel spends
+    more on its softmax than on its products for heads this small (BENCHMARKS.md). Scores stay in
+    float32, as SDPA keeps them; the probabilities meet V in V's dtype, as in SDPA."""
+    B, n, H, D = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    # Queries as [B, Hkv, n, G, D] in float32, so that a tile's rows of a KV head are one matrix.
+    queries = torch.empty(B, Hkv, n, G, D, device=q.device)
+    queries.copy_(q.view(B, n, Hkv, G, D).transpose(1, 2))
+    keys_t = k.reshape(B * Hkv, n, D).transpose(1, 2).float()  # [B * Hkv, D, n]
+    values = v.reshape(B * Hkv, n, D)
+    out = torch.empty_like(q)
+    causal = torch.ones(CAUSAL_TILE, CAUSAL_TILE, dtype=torch.bool, device=q.device).triu_(1)
+    for a in range(0, n, CAUSAL_TILE):
+        b = min(n, a + CAUSAL_TILE)
+        m = b - a
+        bias = torch.zeros(m, b, device=q.device)
+        bias[:, a:].masked_fill_(causal[:m, :m], float("-inf"))
+        bias = bias[:, None].expand(m, G, b).reshape(m * G, b)
+        rows = queries[:, :, a:b].reshape(B * Hkv, m * G, D)  # a view: (query, head of the group)
+        scores = torch.baddbmm(bias, rows, keys_t[:, :, :b], alpha=scale)
+        probs = torch.softmax(scores, -1).to(v.dtype)
+        o = torch.bmm(probs, values[:, :b])  # [B * Hkv, m * G, D]
+        out[:, a:b] = o.view(B, Hkv, m, G, D).transpose(1, 2).reshape(B, m, H, D)
     return out
 
 

@@ -70,13 +70,23 @@ def test_decode_attention_matches_a_plain_softmax_whatever_the_slice_width(lanes
     torch.testing.assert_close(compiled, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("form", ["one-by-one", "padded", "padded-expanded-kv"])
-def test_prefill_attention_is_a_causal_softmax_below_its_context(form, monkeypatch):
-    """Chunks one by one (CPU) or as one padded batch meeting GQA as SDPA does or with K/V repeated per
-    query head (CUDA) compute the same; the middle chunk continues after 20 cached positions."""
+PREFILL_FORMS = ["one-by-one", "padded", "padded-expanded-kv"]
+
+
+@pytest.mark.parametrize(
+    "form, starts, n",
+    [
+        *((form, [0, 20, 0], [5, 17, 16]) for form in PREFILL_FORMS),  # one continues after 20 positions
+        ("one-by-one", [0, 0, 0], [5, 5, 5]),  # fresh prompts of one length: one batch
+        ("one-by-one", [0, 0, 0], [5, 5, 16]),  # a batch of two beside one alone
+    ],
+)
+def test_prefill_attention_is_a_causal_softmax_below_its_context(form, starts, n, monkeypatch):
+    """Chunks one by one (CPU: alone, or fresh prompts of one length as a batch) or as one padded batch
+    meeting GQA as SDPA does or with K/V repeated per query head (CUDA) compute the same."""
     k_cache, v_cache, tables, _, ks, vs = paged_sequences(4, monkeypatch)
-    starts, n = [0, 20, 0], [5, 17, 16]
-    firsts, q_max = [0, 5, 22], max(n)
+    monkeypatch.setattr(attention, "CAUSAL_TILE", 2)  # several tiles, the last one short
+    firsts, q_max = [sum(n[:i]) for i in range(len(n))], max(n)
     q = torch.randn(sum(n), H, D)
     meta = AttentionMetadata(
         slot_mapping=torch.zeros(sum(n), dtype=torch.int64),

@@ -59,8 +59,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         float,
         _help(
             "CPU serving without --max-num-batched-tokens-decoding: a step that carries a prompt chunk may "
-            "take this many times a decode-only step's measured time (its budget follows; at least 64 "
-            "tokens). 0: a fixed 64"
+            "take this many times a decode-only step's measured time, more while requests wait (its budget "
+            "follows; at least 64 tokens). 0: a fixed 64"
         ),
     ] = 4.0
     async_scheduling: Annotated[

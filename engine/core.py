@@ -162,8 +162,10 @@ class EngineCore:
         chunks = sum(n for n in so.num_scheduled_tokens.values() if n > 1)
         rows = sum(n == 1 for n in so.num_scheduled_tokens.values())
         self.step_budget.observe(rows, chunks, seconds)
-        cfg = self.scheduler.config
-        cfg.max_num_batched_tokens_decoding = self.step_budget.tokens(len(self.scheduler.running))
+        sched = self.scheduler
+        sched.config.max_num_batched_tokens_decoding = self.step_budget.tokens(
+            len(sched.running), sched.num_waiting
+        )
 
     def stats(self) -> dict:
         return dataclasses.asdict(self.scheduler.stats())

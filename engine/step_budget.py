@@ -3,6 +3,11 @@
 A prompt chunk in a step delays every running stream's next token by the chunk's compute. A fixed
 budget is right for one machine and model only; this one keeps a step with a chunk within `stretch`
 times the time of a decode-only step of the same streams, whatever the machine computes per token.
+
+While prompts wait, their clients wait for a first token as the running ones wait for a next one: the
+room for chunks grows with the ratio of waiting to running requests. However the prompts are cut into
+steps, the running streams pay for the same prompt compute in all; larger steps only gather it into
+fewer pauses, and let the waiting prompts in sooner.
 """
 
 from __future__ import annotations
@@ -15,8 +20,8 @@ class StepBudget:
     recent steps (older ones weigh less). Under a steady queue every step carries a chunk, so the fit
     cannot wait for decode-only steps: it takes all of them.
 
-    Invariant: `tokens(n)` lies in [max(floor, n), cap] when n <= cap, and equals max(floor, n) until the
-    fit has seen steps with rows and steps with chunks.
+    Invariant: `tokens(n, w)` lies in [max(floor, n), cap] when n <= cap, grows with w, and equals
+    max(floor, n) until the fit has seen steps with rows and steps with chunks.
     """
 
     DECAY = 0.95  # weight of a step one step older: about the last twenty steps count
@@ -43,7 +48,8 @@ class StepBudget:
         fixed, per_row, per_token = np.linalg.solve(self.xx + self.RIDGE * np.eye(3), self.xt)
         return float(fixed), float(per_row), float(per_token)
 
-    def tokens(self, running: int) -> int:
+    def tokens(self, running: int, waiting: int = 0) -> int:
+        """Tokens of a step that carries `running` streams' decodes while `waiting` requests wait."""
         low = max(self.floor, running)
         costs = self.costs()
         if costs is None:
@@ -52,5 +58,5 @@ class StepBudget:
         decode_step = fixed + per_row * running
         if per_token <= 0 or decode_step <= 0:
             return min(low, self.cap)
-        room = (self.stretch - 1.0) * decode_step / per_token
+        room = (self.stretch - 1.0) * (1.0 + waiting / max(running, 1)) * decode_step / per_token
         return int(min(self.cap, max(low, running + room)))

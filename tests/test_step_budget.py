@@ -39,15 +39,29 @@ def test_the_fit_needs_no_decode_only_step_and_follows_the_machine():
     assert abs(fast.tokens(64) - (64 + 828)) <= 4
 
 
+def test_waiting_requests_widen_the_room_for_chunks():
+    """As many requests waiting as running doubles the room beside the decodes; none waiting keeps it."""
+    b = StepBudget(stretch=4.0, floor=64, cap=4096)
+    for step in steps(0.001, with_decode_only=True):
+        b.observe(*step)
+    room = b.tokens(16) - 16
+    assert b.tokens(16, waiting=0) - 16 == room
+    assert abs((b.tokens(16, waiting=16) - 16) - 2 * room) <= 2
+    assert b.tokens(16, waiting=8) < b.tokens(16, waiting=16) < b.tokens(16, waiting=32) <= 4096
+    assert b.tokens(16, waiting=10_000) == 4096
+
+
 @given(
     st.lists(
         st.tuples(st.integers(0, 256), st.integers(0, 4096), st.floats(0.0, 10.0)), min_size=1, max_size=50
     ),
     st.integers(0, 512),
+    st.integers(0, 512),
 )
-def test_the_budget_stays_between_its_floor_and_cap(steps, running):
+def test_the_budget_stays_between_its_floor_and_cap(steps, running, waiting):
     b = StepBudget(stretch=4.0, floor=64, cap=1024)
     for rows, chunk, seconds in steps:
         b.observe(rows, chunk, seconds)
-        assert 64 <= b.tokens(running) <= max(1024, 64)
-        assert b.tokens(running) >= min(running, 1024)
+        assert 64 <= b.tokens(running, waiting) <= max(1024, 64)
+        assert b.tokens(running, waiting) >= min(running, 1024)
+        assert b.tokens(running, waiting) >= b.tokens(running)

@@ -207,66 +207,81 @@ def prefill_attention_chunks(
 ) -> Tensor:
     """Multi-token chunks: q [N, H, D] holds their queries chunk after chunk, `chunks` [P, 2] each one's
     first position and query count (`block_tables` [P, W]); -> [N, H, D]. No chunk pays for another's
-    length, as each does in one padded batch (several times the work for prompts of mixed lengths):
-    fresh prompts of one length run as one batch (`_causal_batch`), every other chunk alone through SDPA."""
+    length, as each would in one padded batch (several times the work for prompts of mixed lengths):
+    fresh prompts run together tile by tile (`_fresh_prompts`), chunks after context alone through SDPA."""
     out, bs = torch.empty_like(q), v_cache.shape[3]
     spans = chunks.tolist()
     firsts = [0, *itertools.accumulate(n for _, n in spans)]
-    groups: dict[tuple[int, int], list[int]] = {}  # fresh prompts by length; any other chunk on its own
+    # The empty chunk a step with one carries (compiled/input_batch.py) has nothing to compute.
+    fresh = sorted((i for i, (start, n) in enumerate(spans) if start == 0 and n), key=lambda i: -spans[i][1])
+    if len(fresh) > 1:
+        lens = [spans[i][1] for i in fresh]
+        table = block_tables[fresh, : -(-lens[0] // bs)]
+        k = _gather_keys(k_cache, table)[:, :, : lens[0]]  # [len(fresh), Hkv, longest, D]
+        v = _gather_values(v_cache, table)[:, :, : lens[0]]
+        index = torch.cat(
+            [torch.arange(firsts[i], firsts[i] + n, device=q.device) for i, n in zip(fresh, lens)]
+        )
+        out[index] = _fresh_prompts(q[index], k, v, lens, scale)
     for i, (start, n) in enumerate(spans):
-        if n:  # the empty chunk a step with one carries (compiled/input_batch.py) has nothing to compute
-            groups.setdefault((0, n) if start == 0 else (-1 - i, n), []).append(i)
-    for (_, n), rows in groups.items():
-        start = spans[rows[0]][0]
-        end = start + n
-        table = block_tables[rows, : -(-end // bs)]
-        k = _gather_keys(k_cache, table)[:, :, :end]  # [len(rows), Hkv, end, D]: every slot written
-        v = _gather_values(v_cache, table)[:, :, :end]
-        if len(rows) > 1:
-            index = torch.cat([torch.arange(firsts[i], firsts[i] + n) for i in rows])
-            out[index] = _causal_batch(q[index].view(len(rows), n, *q.shape[1:]), k, v, scale).flatten(0, 1)
+        if n == 0 or (start == 0 and len(fresh) > 1):
             continue
-        qi = q[firsts[rows[0]] : firsts[rows[0]] + n].transpose(0, 1)[None]  # [1, H, n, D]
+        end = start + n
+        table = block_tables[i : i + 1, : -(-end // bs)]
+        k = _gather_keys(k_cache, table)[:, :, :end]  # [1, Hkv, end, D]: every slot written
+        v = _gather_values(v_cache, table)[:, :, :end]
+        qi = q[firsts[i] : firsts[i] + n].transpose(0, 1)[None]  # [1, H, n, D]
         if start == 0:
             o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
             mask = torch.arange(end, device=q.device) <= torch.arange(start, end, device=q.device)[:, None]
             o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[firsts[rows[0]] : firsts[rows[0]] + n] = o[0].transpose(0, 1)
+        out[firsts[i] : firsts[i] + n] = o[0].transpose(0, 1)
     return out
 
 
-CAUSAL_TILE = 64  # query rows a batched product takes at once: each reads the keys up to its last row
+CAUSAL_TILE = 64  # query rows of a prompt a batched product takes at once
 
 
-def _causal_batch(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-    """Fresh prompts of one length, q [B, n, H, D], k and v [B, Hkv, n, D] -> [B, n, H, D]: batched
-    matmuls over every prompt and KV head at once, a tile of query rows at a time so that the causal
-    half is mostly skipped. On CPU this beats SDPA called prompt by prompt, whose flash kernel spends
-    more on its softmax than on its products for heads this small (BENCHMARKS.md). Scores stay in
-    float32, as SDPA keeps them; the probabilities meet V in V's dtype, as in SDPA."""
-    B, n, H, D = q.shape
-    Hkv = k.shape[1]
-    G = H // Hkv
-    # Queries as [B, Hkv, n, G, D] in float32, so that a tile's rows of a KV head are one matrix.
-    queries = torch.empty(B, Hkv, n, G, D, device=q.device)
-    queries.copy_(q.view(B, n, Hkv, G, D).transpose(1, 2))
-    keys_t = k.reshape(B * Hkv, n, D).transpose(1, 2).float()  # [B * Hkv, D, n]
-    values = v.reshape(B * Hkv, n, D)
-    out = torch.empty_like(q)
-    causal = torch.ones(CAUSAL_TILE, CAUSAL_TILE, dtype=torch.bool, device=q.device).triu_(1)
-    for a in range(0, n, CAUSAL_TILE):
-        b = min(n, a + CAUSAL_TILE)
-        m = b - a
-        bias = torch.zeros(m, b, device=q.device)
-        bias[:, a:].masked_fill_(causal[:m, :m], float("-inf"))
-        bias = bias[:, None].expand(m, G, b).reshape(m * G, b)
-        rows = queries[:, :, a:b].reshape(B * Hkv, m * G, D)  # a view: (query, head of the group)
-        scores = torch.baddbmm(bias, rows, keys_t[:, :, :b], alpha=scale)
+def _fresh_prompts(q: Tensor, k: Tensor, v: Tensor, lens: list[int], scale: float) -> Tensor:
+    """Fresh prompts, longest first: q [sum(lens), H, D] prompt after prompt, k and v [B, Hkv, lens[0], D]
+    (slots past a prompt's end may hold anything) -> [sum(lens), H, D].
+
+    Tile t holds query rows [t * CAUSAL_TILE, (t + 1) * CAUSAL_TILE) of every prompt that long, against
+    their keys up to the tile's last row: one batch of matmuls over those prompts and their KV heads, the
+    causal half mostly skipped; a prompt's last tile is padded, its keys past the end zeroed and masked.
+    On CPU this beats SDPA called prompt by prompt, whose flash kernel spends more on its softmax than on
+    its products for heads this small (BENCHMARKS.md). Scores stay in float32, as SDPA keeps them; the
+    probabilities meet V in V's dtype, as in SDPA."""
+    B, Hkv, longest, D = k.shape
+    H = q.shape[1]
+    G, T = H // Hkv, CAUSAL_TILE
+    padded = -(-longest // T) * T
+    rows = torch.cat([torch.arange(b * padded, b * padded + n, device=q.device) for b, n in enumerate(lens)])
+    # Queries as [B, Hkv, padded, G, D] in float32: a tile's rows of a KV head are one matrix.
+    qp = q.new_zeros(B * padded, H, D)
+    qp[rows] = q
+    queries = torch.empty(B, Hkv, padded, G, D, device=q.device)
+    queries.copy_(qp.view(B, padded, Hkv, G, D).transpose(1, 2))
+    written = torch.arange(longest, device=q.device) < torch.tensor(lens, device=q.device)[:, None]
+    keys_t = (
+        torch.where(written[:, None, :, None], k, 0.0).reshape(B * Hkv, longest, D).transpose(1, 2).float()
+    )
+    values = torch.where(written[:, None, :, None], v, 0.0).reshape(B * Hkv, longest, D)
+    out = q.new_empty(B, padded, H, D)
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).triu_(1)
+    for a in range(0, padded, T):
+        n = sum(length > a for length in lens)  # the prompts this tile has rows of: the first n
+        e = min(a + T, longest)  # keys past every prompt's end need not be read
+        bias = torch.zeros(T, e, device=q.device)
+        bias[:, a:].masked_fill_(causal[:, : e - a], float("-inf"))
+        bias = bias[:, None].expand(T, G, e).reshape(T * G, e)
+        tile = queries[:n, :, a : a + T].reshape(n * Hkv, T * G, D)  # a view: (query, head of the group)
+        scores = torch.baddbmm(bias, tile, keys_t[: n * Hkv, :, :e], alpha=scale)
         probs = torch.softmax(scores, -1).to(v.dtype)
-        o = torch.bmm(probs, values[:, :b])  # [B * Hkv, m * G, D]
-        out[:, a:b] = o.view(B, Hkv, m, G, D).transpose(1, 2).reshape(B, m, H, D)
-    return out
+        o = torch.bmm(probs, values[: n * Hkv, :e])  # [n * Hkv, T * G, D]
+        out[:n, a : a + T] = o.view(n, Hkv, T, G, D).transpose(1, 2).reshape(n, T, H, D)
+    return out.view(B * padded, H, D)[rows]
 
 
 # An op of its own, run eagerly inside the compiled layers: its loop follows the chunks' values.

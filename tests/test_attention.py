@@ -77,12 +77,13 @@ PREFILL_FORMS = ["one-by-one", "padded", "padded-expanded-kv"]
     "form, starts, n",
     [
         *((form, [0, 20, 0], [5, 17, 16]) for form in PREFILL_FORMS),  # one continues after 20 positions
-        ("one-by-one", [0, 0, 0], [5, 5, 5]),  # fresh prompts of one length: one batch
-        ("one-by-one", [0, 0, 0], [5, 5, 16]),  # a batch of two beside one alone
+        ("one-by-one", [0, 0, 0], [5, 37, 16]),  # fresh prompts of three lengths: together, tile by tile
+        ("one-by-one", [0, 0, 0], [5, 5, 5]),
+        ("one-by-one", [0, 20, 0], [2, 17, 1]),  # a one-row prompt beside a shorter tile
     ],
 )
 def test_prefill_attention_is_a_causal_softmax_below_its_context(form, starts, n, monkeypatch):
-    """Chunks one by one (CPU: alone, or fresh prompts of one length as a batch) or as one padded batch
+    """Chunks one by one (CPU: fresh prompts together tile by tile, the rest alone) or as one padded batch
     meeting GQA as SDPA does or with K/V repeated per query head (CUDA) compute the same."""
     k_cache, v_cache, tables, _, ks, vs = paged_sequences(4, monkeypatch)
     monkeypatch.setattr(attention, "CAUSAL_TILE", 2)  # several tiles, the last one short

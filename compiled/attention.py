@@ -19,10 +19,10 @@ tokens of `P` multi-token chunks (fresh prefills, or chunks continuing after cac
   Inductor fuses the indirect loads into the reductions, and each query head of a GQA group is its
   own reduction over the same loads, so a K or V slice is loaded once for the whole group; matmuls
   over gathered K/V eagerly (`decode_attention_matmul`). The compile policy picks one.
-- Multi-token chunks run SDPA over their sequence's K/V (context and the chunk itself, already
-  written): prefill is compute-bound and SDPA's matmuls beat any reduction there. On CPU each chunk
-  runs alone on its own keys (`prefill_attention_chunks`), causal where it has no context so the flash
-  kernel skips the masked half; elsewhere the chunks are one padded [P, L] batch with a mask.
+- Multi-token chunks attend with matmuls over their sequence's K/V (context and the chunk itself,
+  already written): prefill is compute-bound and matmuls beat any reduction there. On CPU
+  (`prefill_attention_chunks`) a step's fresh prompts run together tile by tile, and each chunk after
+  context alone through SDPA; elsewhere the chunks are one padded [P, L] SDPA batch with a mask.
 """
 
 from __future__ import annotations

@@ -21,8 +21,9 @@ tokens of `P` multi-token chunks (fresh prefills, or chunks continuing after cac
   over gathered K/V eagerly (`decode_attention_matmul`). The compile policy picks one.
 - Multi-token chunks attend with matmuls over their sequence's K/V (context and the chunk itself,
   already written): prefill is compute-bound and matmuls beat any reduction there. On CPU
-  (`prefill_attention_chunks`) a step's fresh prompts run together tile by tile, and each chunk after
-  context alone through SDPA; elsewhere the chunks are one padded [P, L] SDPA batch with a mask.
+  (`prefill_attention_chunks`) a step's fresh prompts run together tile by tile, a lone one and each
+  chunk after context alone through SDPA; elsewhere the chunks are one padded [P, L] SDPA batch with a
+  mask.
 """
 
 from __future__ import annotations
@@ -207,8 +208,9 @@ def prefill_attention_chunks(
 ) -> Tensor:
     """Multi-token chunks: q [N, H, D] holds their queries chunk after chunk, `chunks` [P, 2] each one's
     first position and query count (`block_tables` [P, W]); -> [N, H, D]. No chunk pays for another's
-    length, as each would in one padded batch (several times the work for prompts of mixed lengths):
-    fresh prompts run together tile by tile (`_fresh_prompts`), chunks after context alone through SDPA."""
+    length, as each would in one padded batch (several times the work for prompts of mixed lengths): a
+    step's fresh prompts run together tile by tile (`_fresh_prompts`); a lone one, and every chunk after
+    context, alone through SDPA."""
     out, bs = torch.empty_like(q), v_cache.shape[3]
     spans = chunks.tolist()
     firsts = [0, *itertools.accumulate(n for _, n in spans)]

@@ -126,7 +126,7 @@ def test_bfloat16_decode_matches_transformers(tiny_llama):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_rows_run_on_weights_packed_for_onednn_on_cpu(tiny_llama, dtype):
-    from compiled.models.llama import Linear, cpu_matmul_dtype
+    from compiled.models.llama import PACKED_PREFILL_DTYPES, Linear, cpu_matmul_dtype
 
     runner = build_runner(tiny_llama, dtype=dtype, max_num_seqs=4, num_kv_blocks=8, enforce_eager=True)
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
@@ -139,7 +139,13 @@ def test_rows_run_on_weights_packed_for_onednn_on_cpu(tiny_llama, dtype):
     tol = 1e-5 if dtype == "float32" else 2e-2
     w13 = runner.model.layers[0].feed_forward.w13
     x = torch.randn(7, 64).to(w13.weight.dtype)
-    torch.testing.assert_close(w13(x, True).float(), x.float() @ w13.weight.float().T, rtol=tol, atol=tol)
+    expected = x.float() @ w13.weight.float().T
+    torch.testing.assert_close(w13(x, True).float(), expected, rtol=tol, atol=tol)
+    with torch.profiler.profile() as prof:
+        prefill = w13(x)  # a prefill's rows: on the packed copy where it is bfloat16
+    calls = sum(e.count for e in prof.key_averages() if e.key == "kiln::packed_linear")
+    assert calls == (w13.prepacked is not None and w13.prepacked.dtype in PACKED_PREFILL_DTYPES)
+    torch.testing.assert_close(prefill.float(), expected, rtol=tol, atol=tol)
     weight = runner.model.output.weight
     hidden = torch.randn(5, 64).to(weight.dtype)
     expected = hidden.float() @ weight.float().T

@@ -148,13 +148,17 @@ class Linear(nn.Linear):
       RMSNorm for every weight row.
     - `weight_left` marks a decode batch. On CPU its rows run through oneDNN on a copy of the weight packed
       for it (`prepacked`, set by `pack`); unpacked, MKL's sgemm is much faster with the weight as its
-      left operand, (W @ xᵀ)ᵀ. Prefill keeps F.linear, whose outputs its consumers read faster.
+      left operand, (W @ xᵀ)ᵀ. Prefill takes a bfloat16 packed copy too (`PACKED_PREFILL_DTYPES`), except
+      where the output is added to the residual stream (`into_residual`): there F.linear lets Inductor
+      fuse the add into the matmul (`addmm`), rounding the sum to bfloat16 once where the packed product
+      and a separate add would round twice.
     - Half-precision weights on a CPU without bfloat16 arithmetic: the matmul runs in float32 (products
       of bfloat16 values are exact there), since BLAS emulates bfloat16 several times slower.
     """
 
     row_blocks = 0
     few_rows = False
+    into_residual = False  # set on the layers whose output is added to the residual stream
     packed_rows = True  # False while the policy traces a step whose rows run on the weight as stored
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
@@ -164,10 +168,10 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor, weight_left: bool = False) -> Tensor:
         if self.row_blocks and (x.shape[0] == 1 or self.few_rows):
             return self.matvec(x)
-        # Prefill stays off the packed copy: oneDNN keeps memory for every row count it meets (~2 MB a
-        # weight shape and count), and prefill token counts vary step by step where decode's are bucketed.
-        if self.prepacked is not None and self.packed_rows and weight_left:
-            w, b = self.prepacked, None if self.bias is None else self.bias.to(self.prepacked.dtype)
+        w = self.prepacked
+        prefill_packed = w is not None and w.dtype in PACKED_PREFILL_DTYPES and not self.into_residual
+        if w is not None and self.packed_rows and (weight_left or prefill_packed):
+            b = None if self.bias is None else self.bias.to(w.dtype)
             return torch.ops.kiln.packed_linear(x.to(w.dtype), w, b).to(x.dtype)
         w, b, dtype = self.weight, self.bias, x.dtype
         if x.device.type == "cpu" and cpu_matmul_dtype(dtype) != dtype:
@@ -201,6 +205,11 @@ class Linear(nn.Linear):
 
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# Prefill's row counts change step by step, where decode's are bucketed. In bfloat16 oneDNN's packed product
+# costs no more memory over many row counts than F.linear does, and its results are the same bits, 4 %
+# sooner in a 2,048-token step; in float32 it grew a process several times more than F.linear did
+# (BENCHMARKS.md).
+PACKED_PREFILL_DTYPES = (torch.bfloat16,)
 
 # oneDNN's linear over a packed weight, as an op Inductor calls as it is: its own lowering of the op
 # takes the weight for a constant, and kiln's layer graphs take weights as inputs.
@@ -243,6 +252,7 @@ class Attention(nn.Module):
         q_size, kv_size = self.n_heads * args.head_dim, self.n_kv_heads * args.head_dim
         self.wqkv = Linear(args.dim, q_size + 2 * kv_size, bias=args.qkv_bias)
         self.wo = Linear(q_size, args.dim, bias=args.o_bias)
+        self.wo.into_residual = True
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         # This layer's paged KV cache (layouts in compiled/attention.py), attached by the runner.
@@ -272,6 +282,7 @@ class FeedForward(nn.Module):
         width = parallel.Split.of(args).intermediate
         self.w13 = Linear(args.dim, 2 * width, bias=False)  # gate and up, fused
         self.w2 = Linear(width, args.dim, bias=False)
+        self.w2.into_residual = True
         self.tensor_parallel = args.tp_size > 1
 
     def forward(self, x: Tensor, decode: bool = False) -> Tensor:

@@ -158,11 +158,13 @@ class Linear(nn.Linear):
 
     row_blocks = 0
     few_rows = False
-    into_residual = False  # set on the layers whose output is added to the residual stream
     packed_rows = True  # False while the policy traces a step whose rows run on the weight as stored
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, into_residual: bool = False
+    ) -> None:
         super().__init__(in_features, out_features, bias=bias)
+        self.into_residual = into_residual  # its output is added to the residual stream
         self.register_buffer("prepacked", None, persistent=False)  # see pack
 
     def forward(self, x: Tensor, weight_left: bool = False) -> Tensor:
@@ -251,8 +253,7 @@ class Attention(nn.Module):
         self.tensor_parallel = args.tp_size > 1
         q_size, kv_size = self.n_heads * args.head_dim, self.n_kv_heads * args.head_dim
         self.wqkv = Linear(args.dim, q_size + 2 * kv_size, bias=args.qkv_bias)
-        self.wo = Linear(q_size, args.dim, bias=args.o_bias)
-        self.wo.into_residual = True
+        self.wo = Linear(q_size, args.dim, bias=args.o_bias, into_residual=True)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         # This layer's paged KV cache (layouts in compiled/attention.py), attached by the runner.
@@ -281,8 +282,7 @@ class FeedForward(nn.Module):
         super().__init__()
         width = parallel.Split.of(args).intermediate
         self.w13 = Linear(args.dim, 2 * width, bias=False)  # gate and up, fused
-        self.w2 = Linear(width, args.dim, bias=False)
-        self.w2.into_residual = True
+        self.w2 = Linear(width, args.dim, bias=False, into_residual=True)
         self.tensor_parallel = args.tp_size > 1
 
     def forward(self, x: Tensor, decode: bool = False) -> Tensor:

@@ -50,12 +50,17 @@ class Quantized:
     def group(self) -> int:
         return self.q.shape[1] // self.scale.shape[1]
 
+    def stored(self) -> tuple[Tensor, Tensor]:
+        """Fields and mins as the packed form keeps them: 8-bit fields signed (q - 128, int8), as Q8_0
+        defines them, their mins shifted to match; 4-bit ones as they are."""
+        if self.bits != 8:
+            return self.q, self.min
+        return (self.q.to(torch.int16) - 128).to(torch.int8), self.min + 128 * self.scale
+
     def dequantize(self) -> Tensor:
-        """The values as the packed kernels compute them (8-bit fields signed, as Q8_0 defines them)."""
-        g, q, mn = self.group, self.q.float(), self.min
-        if self.bits == 8:
-            q, mn = q - 128, mn + 128 * self.scale
-        return q * self.scale.repeat_interleave(g, 1) + mn.repeat_interleave(g, 1)
+        """The values as the packed kernels compute them."""
+        (q, mn), g = self.stored(), self.group
+        return q.float() * self.scale.repeat_interleave(g, 1) + mn.repeat_interleave(g, 1)
 
     def rows(self, index: Tensor) -> Quantized:
         return Quantized(self.q[index], self.scale[index], self.min[index], self.bits, self.kind)
@@ -141,14 +146,14 @@ class PackedWeight(nn.Module):
         self.out_features, self.in_features = n, k
         # Parameters, not buffers: Dynamo keeps parameters' shapes static in the dynamic layer graphs,
         # so the kernels are specialised to each weight's sizes.
+        stored, mn = w.stored()
         if w.bits == 8:
             # Bytes: masking and shifting fields out of words made the one-row product compute-bound
             # (a layer's int8 products 1.26x slower, BENCHMARKS.md).
-            signed = (w.q.to(torch.int16) - 128).to(torch.int8)
-            self.words = nn.Parameter(_tile(signed), requires_grad=False)
+            self.words = nn.Parameter(_tile(stored), requires_grad=False)
         else:
             per_word = 32 // w.bits
-            fields = w.q.to(torch.int32).view(n, k // per_word, per_word)
+            fields = stored.to(torch.int32).view(n, k // per_word, per_word)
             words = fields[..., 0].clone()
             for i in range(1, per_word):
                 words |= fields[..., i] << (w.bits * i)  # the top field wraps into the sign bit, as meant
@@ -156,9 +161,8 @@ class PackedWeight(nn.Module):
             # int32 vectors go through a copy, float ones do not (a one-row product ran 2-3x faster).
             self.words = nn.Parameter(_tile(words).view(torch.float32), requires_grad=False)
         self.scale = nn.Parameter(_tile(w.scale.float()), requires_grad=False)
-        # The min of the stored fields. Symmetric formats (Q8_0, int8, Q4_0) have none to read: the
-        # kernels compute it (Q4_0: -8 scales) or drop it (8-bit), a ninth of a Q8_0 weight's bytes.
-        mn = w.min + 128 * w.scale if w.bits == 8 else w.min
+        # Symmetric formats (Q8_0, int8, Q4_0) have no min to read: the kernels compute it (Q4_0: -8
+        # scales) or drop it (8-bit), a ninth of a Q8_0 weight's bytes.
         symmetric = torch.equal(mn, w.scale * offset(w.bits))
         self.min = None if symmetric else nn.Parameter(_tile(mn.float()), requires_grad=False)
 

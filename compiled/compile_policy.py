@@ -29,7 +29,8 @@ from torch import Tensor, nn
 from compiled import guard_free, parallel, quant
 from compiled.attention import AttentionMetadata, write_kv
 from compiled.input_batch import InputBatch
-from compiled.models.llama import Linear, RMSNorm, Transformer, TransformerBlock, cpu_matmul_dtype
+from compiled.models.linear import Linear, cpu_matmul_dtype
+from compiled.models.llama import RMSNorm, Transformer, TransformerBlock
 
 logger = logging.getLogger("kiln.runner")
 

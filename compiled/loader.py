@@ -21,7 +21,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
-from compiled.models.llama import CPU_HAS_FAST_BF16, Linear, ModelArgs, Transformer, rope_inv_freq
+from compiled.models.linear import CPU_HAS_FAST_BF16, Linear
+from compiled.models.llama import ModelArgs, Transformer, rope_inv_freq
 from compiled.parallel import Split
 from compiled.quant import (
     GGUF_BLOCK,

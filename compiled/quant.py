@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch._inductor import inductor_prims
 
-from compiled.models.llama import Linear, cpu_matmul_dtype
+from compiled.models.linear import Linear, cpu_matmul_dtype
 
 TILE = 16  # rows per tile: one AVX-512 vector of float32, two AVX2 ones (eight ran 20x slower on AVX-512)
 # Several rows de-quantize this many weight rows at a time: a slice stays in cache for its matmul, and
@@ -292,6 +292,8 @@ class QuantLinear(Linear):
     `slice_product` computes one slice. Inside a compiled layer its calls unroll into the layer's
     graph. The LM head has many more slices (24 for SmolLM2's vocabulary): the compile policy gives it
     one graph called slice by slice, since unrolled they took ~20 s to compile."""
+
+    prepacked = None  # its packing is its own (`packed`)
 
     def __init__(self, packed: PackedWeight, bias: Tensor | None) -> None:
         nn.Module.__init__(self)

@@ -126,7 +126,7 @@ def test_bfloat16_decode_matches_transformers(tiny_llama):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_rows_run_on_weights_packed_for_onednn_on_cpu(tiny_llama, dtype):
-    from compiled.models.llama import PACKED_PREFILL_DTYPES, Linear, cpu_matmul_dtype
+    from compiled.models.linear import PACKED_PREFILL_DTYPES, Linear, cpu_matmul_dtype
 
     runner = build_runner(tiny_llama, dtype=dtype, max_num_seqs=4, num_kv_blocks=8, enforce_eager=True)
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
@@ -146,6 +146,16 @@ def test_rows_run_on_weights_packed_for_onednn_on_cpu(tiny_llama, dtype):
     calls = sum(e.count for e in prof.key_averages() if e.key == "kiln::packed_linear")
     assert calls == (w13.prepacked is not None and w13.prepacked.dtype in PACKED_PREFILL_DTYPES)
     torch.testing.assert_close(prefill.float(), expected, rtol=tol, atol=tol)
+    # The output projection adds to the residual stream inside the packed product.
+    wo, h = runner.model.layers[0].attention.wo, torch.randn(7, 64).to(w13.weight.dtype)
+    for weight_left in (False, True):
+        with torch.profiler.profile() as prof:
+            summed = wo.add_to(h, x, weight_left)
+        fused = sum(e.count for e in prof.key_averages() if e.key == "kiln::packed_linear_add")
+        packed = wo.prepacked is not None and (weight_left or wo.prepacked.dtype in PACKED_PREFILL_DTYPES)
+        assert fused == packed
+        expected_sum = h.float() + x.float() @ wo.weight.float().T
+        torch.testing.assert_close(summed.float(), expected_sum, rtol=tol, atol=2 * tol)
     weight = runner.model.output.weight
     hidden = torch.randn(5, 64).to(weight.dtype)
     expected = hidden.float() @ weight.float().T

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from compiled import quant
 from compiled.loader import _dequantize, _place
-from compiled.models.llama import Linear
+from compiled.models.linear import Linear
 from compiled.quant import INDUCTOR_OPTIONS, PackedWeight, QuantLinear, dequantize_kn, from_gguf, quantize
 from engine import LLM
 from engine.config import EngineConfig

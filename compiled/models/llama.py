@@ -8,16 +8,13 @@ RMSNorm (Qwen3), tied embeddings (SmolLM2), RoPE scaling (Llama 3).
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch._inductor import inductor_prims
 
 from compiled import parallel
 from compiled.attention import (
@@ -29,6 +26,7 @@ from compiled.attention import (
     paged_attention,
     write_kv,
 )
+from compiled.models.linear import Linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -119,119 +117,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
 
 
-def _cpu_has_fast_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return bool(re.search(r"\b(amx_bf16|avx512_bf16)\b", flags))
-
-
-# AMX or AVX-512-BF16: this CPU computes bfloat16 natively. A constant, so that traced code reads a bool.
-CPU_HAS_FAST_BF16 = _cpu_has_fast_bf16()
-
-
-def cpu_matmul_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a CPU matmul of `dtype` operands runs in: float32 without bfloat16 arithmetic."""
-    return dtype if dtype == torch.float32 or CPU_HAS_FAST_BF16 else torch.float32
-
-
-class Linear(nn.Linear):
-    """nn.Linear with a faster path for one row or a few, and for CPUs without bfloat16 arithmetic
-    (BENCHMARKS.md).
-
-    - `row_blocks` > 0 (set by the compile policy for compiled graphs): one row, or each row of a decode
-      step of a few (`few_rows`, set while the policy traces one), is a matrix-vector reduction, pure
-      weight streaming that Inductor vectorises faster than BLAS, the weight's rows reduced in
-      `row_blocks` blocks side by side so that each thread streams several places of the weight at once.
-      The input is materialised once in float32 first: left to fuse, Inductor would recompute the
-      RMSNorm for every weight row.
-    - `weight_left` marks a decode batch. On CPU its rows run through oneDNN on a copy of the weight packed
-      for it (`prepacked`, set by `pack`); unpacked, MKL's sgemm is much faster with the weight as its
-      left operand, (W @ xᵀ)ᵀ. Prefill takes a bfloat16 packed copy too (`PACKED_PREFILL_DTYPES`), except
-      where the output is added to the residual stream (`into_residual`): there F.linear lets Inductor
-      fuse the add into the matmul (`addmm`), rounding the sum to bfloat16 once where the packed product
-      and a separate add would round twice.
-    - Half-precision weights on a CPU without bfloat16 arithmetic: the matmul runs in float32 (products
-      of bfloat16 values are exact there), since BLAS emulates bfloat16 several times slower.
-    """
-
-    row_blocks = 0
-    few_rows = False
-    packed_rows = True  # False while the policy traces a step whose rows run on the weight as stored
-
-    def __init__(
-        self, in_features: int, out_features: int, bias: bool = True, into_residual: bool = False
-    ) -> None:
-        super().__init__(in_features, out_features, bias=bias)
-        self.into_residual = into_residual  # its output is added to the residual stream
-        self.register_buffer("prepacked", None, persistent=False)  # see pack
-
-    def forward(self, x: Tensor, weight_left: bool = False) -> Tensor:
-        if self.row_blocks and (x.shape[0] == 1 or self.few_rows):
-            return self.matvec(x)
-        w = self.prepacked
-        prefill_packed = w is not None and w.dtype in PACKED_PREFILL_DTYPES and not self.into_residual
-        if w is not None and self.packed_rows and (weight_left or prefill_packed):
-            b = None if self.bias is None else self.bias.to(w.dtype)
-            return torch.ops.kiln.packed_linear(x.to(w.dtype), w, b).to(x.dtype)
-        w, b, dtype = self.weight, self.bias, x.dtype
-        if x.device.type == "cpu" and cpu_matmul_dtype(dtype) != dtype:
-            x, w, b = x.float(), w.float(), None if b is None else b.float()
-        if weight_left and x.device.type == "cpu":  # an MKL finding; cuBLAS is not measured
-            y = (w @ x.T).T
-            return (y if b is None else y + b).to(dtype)
-        return F.linear(x, w, b).to(dtype)
-
-    def matvec(self, x: Tensor) -> Tensor:
-        """Rows [M, K] -> [M, N] as `row_blocks` reductions over blocks of the weight's rows."""
-        w, b, dtype = self.weight, self.bias, x.dtype
-        x = inductor_prims.force_stride_order(x.float(), x.stride())
-        n = -(-w.shape[0] // self.row_blocks)
-        y = torch.cat(
-            [(x[:, None, :] * w[None, i : i + n].float()).sum(-1) for i in range(0, w.shape[0], n)], -1
-        )
-        y = y.to(dtype)
-        return y if b is None else y + b
-
-    def pack(self) -> None:
-        """On CPU, decode matmuls of several rows run through oneDNN on a copy of the weight packed once for
-        it, in the dtype the matmul runs in (float32 on CPUs without bfloat16 arithmetic). 1.4x faster than
-        the unpacked matmul at 16 rows, ~4 % at 128 (BENCHMARKS.md), for a second copy of the weight: one
-        row (and a few, where `few_rows`) keeps the compiled reduction over the original."""
-        w = self.weight
-        dtype = cpu_matmul_dtype(w.dtype)
-        if w.device.type == "cpu" and torch.backends.mkldnn.is_available() and dtype in PACKED_DTYPES:
-            # The row-count hint hardly matters: packed for 8, 32 or 64 rows, every count ran alike.
-            self.prepacked = torch.ops.mkldnn._reorder_linear_weight(w.detach().to(dtype), 64)
-
-
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
-# Prefill's row counts change step by step, where decode's are bucketed. In bfloat16 oneDNN's packed product
-# costs no more memory over many row counts than F.linear does, and its results are the same bits, 4 %
-# sooner in a 2,048-token step; in float32 it grew a process several times more than F.linear did
-# (BENCHMARKS.md).
-PACKED_PREFILL_DTYPES = (torch.bfloat16,)
-
-# oneDNN's linear over a packed weight, as an op Inductor calls as it is: its own lowering of the op
-# takes the weight for a constant, and kiln's layer graphs take weights as inputs.
-_lib = torch.library.Library("kiln", "FRAGMENT")
-_lib.define("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")
-
-
-def _packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-for _key in ("CPU", "MkldnnCPU"):  # a packed bfloat16 weight is an oneDNN tensor
-    _lib.impl("packed_linear", _packed_linear, _key)
-
-
-@torch.library.register_fake("kiln::packed_linear")
-def _(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
-    return x.new_empty(x.shape[0], packed.shape[0])
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -253,7 +138,7 @@ class Attention(nn.Module):
         self.tensor_parallel = args.tp_size > 1
         q_size, kv_size = self.n_heads * args.head_dim, self.n_kv_heads * args.head_dim
         self.wqkv = Linear(args.dim, q_size + 2 * kv_size, bias=args.qkv_bias)
-        self.wo = Linear(q_size, args.dim, bias=args.o_bias, into_residual=True)
+        self.wo = Linear(q_size, args.dim, bias=args.o_bias)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         # This layer's paged KV cache (layouts in compiled/attention.py), attached by the runner.
@@ -261,7 +146,8 @@ class Attention(nn.Module):
         self.v_cache: Tensor | None = None
         self.decode_attention: DecodeAttention = decode_attention_matmul
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
+    def forward(self, h: Tensor, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
+        """The residual stream `h` with this layer's attention over `x` (its normalised `h`) added."""
         T, decode = x.shape[0], meta.decode_only
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.wqkv(x, decode).split([q_size, kv_size, kv_size], dim=-1)
@@ -273,8 +159,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, self.k_cache, self.v_cache, meta, self.head_dim**-0.5, self.decode_attention)
-        out = self.wo(out.reshape(T, q_size), decode)
-        return parallel.all_reduce(out) if self.tensor_parallel else out
+        out = out.reshape(T, q_size)
+        if self.tensor_parallel:  # each rank's partial sum first, the residual once
+            return h + parallel.all_reduce(self.wo(out, decode))
+        return self.wo.add_to(h, out, decode)
 
 
 class FeedForward(nn.Module):
@@ -282,13 +170,16 @@ class FeedForward(nn.Module):
         super().__init__()
         width = parallel.Split.of(args).intermediate
         self.w13 = Linear(args.dim, 2 * width, bias=False)  # gate and up, fused
-        self.w2 = Linear(width, args.dim, bias=False, into_residual=True)
+        self.w2 = Linear(width, args.dim, bias=False)
         self.tensor_parallel = args.tp_size > 1
 
-    def forward(self, x: Tensor, decode: bool = False) -> Tensor:
+    def forward(self, h: Tensor, x: Tensor, decode: bool = False) -> Tensor:
+        """The residual stream `h` with the feed-forward of `x` (its normalised `h`) added."""
         gate, up = self.w13(x, decode).chunk(2, dim=-1)
-        out = self.w2(F.silu(gate) * up, decode)
-        return parallel.all_reduce(out) if self.tensor_parallel else out
+        act = F.silu(gate) * up
+        if self.tensor_parallel:
+            return h + parallel.all_reduce(self.w2(act, decode))
+        return self.w2.add_to(h, act, decode)
 
 
 class TransformerBlock(nn.Module):
@@ -300,8 +191,8 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args)
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
-        h = h + self.attention(self.attention_norm(h), cos, sin, meta)
-        return h + self.feed_forward(self.ffn_norm(h), meta.decode_only)
+        h = self.attention(h, self.attention_norm(h), cos, sin, meta)
+        return self.feed_forward(h, self.ffn_norm(h), meta.decode_only)
 
 
 class Transformer(nn.Module):

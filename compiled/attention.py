@@ -211,7 +211,7 @@ def prefill_attention_chunks(
     length, as each would in one padded batch (several times the work for prompts of mixed lengths): a
     step's fresh prompts run together tile by tile (`_fresh_prompts`); a lone one, and every chunk after
     context, alone through SDPA."""
-    out, bs = torch.empty_like(q), v_cache.shape[3]
+    bs = v_cache.shape[3]
     spans = chunks.tolist()
     firsts = [0, *itertools.accumulate(n for _, n in spans)]
     # The empty chunk a step with one carries (compiled/input_batch.py) has nothing to compute.
@@ -221,10 +221,9 @@ def prefill_attention_chunks(
         table = block_tables[fresh, : -(-lens[0] // bs)]
         k = _gather_keys(k_cache, table)[:, :, : lens[0]]  # [len(fresh), Hkv, longest, D]
         v = _gather_values(v_cache, table)[:, :, : lens[0]]
-        index = torch.cat(
-            [torch.arange(firsts[i], firsts[i] + n, device=q.device) for i, n in zip(fresh, lens)]
-        )
-        out[index] = _fresh_prompts(q[index], k, v, lens, scale)
+        out = _fresh_prompts(q, [firsts[i] for i in fresh], k, v, lens, scale)
+    else:
+        out = torch.empty_like(q)
     for i, (start, n) in enumerate(spans):
         if n == 0 or (start == 0 and len(fresh) > 1):
             continue
@@ -245,27 +244,31 @@ def prefill_attention_chunks(
 CAUSAL_TILE = 64  # query rows of a prompt a batched product takes at once
 
 
-def _fresh_prompts(q: Tensor, k: Tensor, v: Tensor, lens: list[int], scale: float) -> Tensor:
-    """Fresh prompts, longest first: q [sum(lens), H, D] prompt after prompt, k and v [B, Hkv, lens[0], D]
-    (slots past a prompt's end may hold anything) -> [sum(lens), H, D].
+def _fresh_prompts(
+    q: Tensor, starts: list[int], k: Tensor, v: Tensor, lens: list[int], scale: float
+) -> Tensor:
+    """Fresh prompts, longest first: prompt b's queries are q[starts[b] : starts[b] + lens[b]] of q [N, H, D],
+    k and v [B, Hkv, lens[0], D] (slots past a prompt's end may hold anything) -> [N, H, D], whose rows
+    outside these prompts are left for the caller.
 
     Tile t holds query rows [t * CAUSAL_TILE, (t + 1) * CAUSAL_TILE) of every prompt that long, against
     their keys up to the tile's last row: one batch of matmuls over those prompts and their KV heads, the
-    causal half mostly skipped; a prompt's last tile is padded, its keys past the end zeroed and masked.
-    On CPU this beats SDPA called prompt by prompt, whose flash kernel spends more on its softmax than on
-    its products for heads this small (BENCHMARKS.md). Scores stay in float32, as SDPA keeps them; the
-    probabilities meet V in V's dtype, as in SDPA."""
+    causal half mostly skipped; a prompt's last tile is padded (with copies of its last query, whose
+    results are dropped), its keys past the end zeroed and masked. On CPU this beats SDPA called prompt
+    by prompt, whose flash kernel spends more on its softmax than on its products for heads this small
+    (BENCHMARKS.md). Scores stay in float32, as SDPA keeps them; the probabilities meet V in V's dtype,
+    as in SDPA. The queries are read, and the results written, by one gather each."""
     B, Hkv, longest, D = k.shape
     H = q.shape[1]
     G, T = H // Hkv, CAUSAL_TILE
     padded = -(-longest // T) * T
-    rows = torch.cat([torch.arange(b * padded, b * padded + n, device=q.device) for b, n in enumerate(lens)])
+    step = torch.arange(padded, device=q.device)
+    starts_t, lens_t = (torch.tensor(x, device=q.device)[:, None] for x in (starts, lens))
+    source = torch.minimum(step, lens_t - 1) + starts_t  # [B, padded]: the q row of each padded row
     # Queries as [B, Hkv, padded, G, D] in float32: a tile's rows of a KV head are one matrix.
-    qp = q.new_zeros(B * padded, H, D)
-    qp[rows] = q
     queries = torch.empty(B, Hkv, padded, G, D, device=q.device)
-    queries.copy_(qp.view(B, padded, Hkv, G, D).transpose(1, 2))
-    written = torch.arange(longest, device=q.device) < torch.tensor(lens, device=q.device)[:, None]
+    queries.copy_(q[source.view(-1)].view(B, padded, Hkv, G, D).transpose(1, 2))
+    written = step[:longest] < lens_t
     keys_t = (
         torch.where(written[:, None, :, None], k, 0.0).reshape(B * Hkv, longest, D).transpose(1, 2).float()
     )
@@ -283,6 +286,9 @@ def _fresh_prompts(q: Tensor, k: Tensor, v: Tensor, lens: list[int], scale: floa
         probs = torch.softmax(scores, -1).to(v.dtype)
         o = torch.bmm(probs, values[: n * Hkv, :e])  # [n * Hkv, T * G, D]
         out[:n, a : a + T] = o.view(n, Hkv, T, G, D).transpose(1, 2).reshape(n, T, H, D)
+    real = step < lens_t
+    rows = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)  # the padded row of each q row
+    rows[source[real]] = torch.arange(B * padded, device=q.device).view(B, padded)[real]
     return out.view(B * padded, H, D)[rows]
 
 

@@ -204,24 +204,28 @@ def prefill_attention(
 
 
 def prefill_attention_chunks(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, chunks: Tensor, scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    chunks: Tensor,
+    scale: float,
 ) -> Tensor:
-    """Multi-token chunks: q [N, H, D] holds their queries chunk after chunk, `chunks` [P, 2] each one's
-    first position and query count (`block_tables` [P, W]); -> [N, H, D]. No chunk pays for another's
-    length, as each would in one padded batch (several times the work for prompts of mixed lengths): a
-    step's fresh prompts run together tile by tile (`_fresh_prompts`); a lone one, and every chunk after
-    context, alone through SDPA."""
+    """Multi-token chunks: q [N, H, D] holds their queries chunk after chunk and k, v [N, Hkv, D] their keys
+    and values, `chunks` [P, 2] each one's first position and query count (`block_tables` [P, W]);
+    -> [N, H, D]. No chunk pays for another's length, as each would in one padded batch (several times
+    the work for prompts of mixed lengths): a step's fresh prompts run together tile by tile
+    (`_fresh_prompts`) on the step's own K/V; a lone one, and every chunk after context, alone through
+    SDPA over its pages."""
     bs = v_cache.shape[3]
     spans = chunks.tolist()
     firsts = [0, *itertools.accumulate(n for _, n in spans)]
     # The empty chunk a step with one carries (compiled/input_batch.py) has nothing to compute.
     fresh = sorted((i for i, (start, n) in enumerate(spans) if start == 0 and n), key=lambda i: -spans[i][1])
     if len(fresh) > 1:
-        lens = [spans[i][1] for i in fresh]
-        table = block_tables[fresh, : -(-lens[0] // bs)]
-        k = _gather_keys(k_cache, table)[:, :, : lens[0]]  # [len(fresh), Hkv, longest, D]
-        v = _gather_values(v_cache, table)[:, :, : lens[0]]
-        out = _fresh_prompts(q, [firsts[i] for i in fresh], k, v, lens, scale)
+        out = _fresh_prompts(q, k, v, [firsts[i] for i in fresh], [spans[i][1] for i in fresh], scale)
     else:
         out = torch.empty_like(q)
     for i, (start, n) in enumerate(spans):
@@ -245,34 +249,34 @@ CAUSAL_TILE = 64  # query rows of a prompt a batched product takes at once
 
 
 def _fresh_prompts(
-    q: Tensor, starts: list[int], k: Tensor, v: Tensor, lens: list[int], scale: float
+    q: Tensor, k: Tensor, v: Tensor, starts: list[int], lens: list[int], scale: float
 ) -> Tensor:
-    """Fresh prompts, longest first: prompt b's queries are q[starts[b] : starts[b] + lens[b]] of q [N, H, D],
-    k and v [B, Hkv, lens[0], D] (slots past a prompt's end may hold anything) -> [N, H, D], whose rows
-    outside these prompts are left for the caller.
+    """Fresh prompts, longest first: prompt b's queries, keys and values are rows
+    [starts[b], starts[b] + lens[b]) of q [N, H, D] and k, v [N, Hkv, D] -> [N, H, D], whose rows outside
+    these prompts are left for the caller.
 
     Tile t holds query rows [t * CAUSAL_TILE, (t + 1) * CAUSAL_TILE) of every prompt that long, against
     their keys up to the tile's last row: one batch of matmuls over those prompts and their KV heads, the
-    causal half mostly skipped; a prompt's last tile is padded (with copies of its last query, whose
-    results are dropped), its keys past the end zeroed and masked. On CPU this beats SDPA called prompt
-    by prompt, whose flash kernel spends more on its softmax than on its products for heads this small
-    (BENCHMARKS.md). Scores stay in float32, as SDPA keeps them; the probabilities meet V in V's dtype,
-    as in SDPA. The queries are read, and the results written, by one gather each."""
-    B, Hkv, longest, D = k.shape
-    H = q.shape[1]
+    causal half mostly skipped. A prompt's last tile is padded with copies of its last row: the queries'
+    results are dropped, and the keys lie past every kept query, so the causal mask hides them. On CPU this
+    beats SDPA called prompt by prompt, whose flash kernel spends more on its softmax than on its products
+    for heads this small (BENCHMARKS.md). Scores stay in float32, as SDPA keeps them; the probabilities
+    meet V in V's dtype, as in SDPA. Each operand is read, and the results written, by one gather."""
+    B, longest = len(lens), lens[0]
+    H, Hkv, D = q.shape[1], k.shape[1], q.shape[2]
     G, T = H // Hkv, CAUSAL_TILE
     padded = -(-longest // T) * T
     step = torch.arange(padded, device=q.device)
     starts_t, lens_t = (torch.tensor(x, device=q.device)[:, None] for x in (starts, lens))
-    source = torch.minimum(step, lens_t - 1) + starts_t  # [B, padded]: the q row of each padded row
-    # Queries as [B, Hkv, padded, G, D] in float32: a tile's rows of a KV head are one matrix.
+    source = (torch.minimum(step, lens_t - 1) + starts_t).view(-1)  # the step row of each padded row
+    # Queries as [B, Hkv, padded, G, D] and keys as [B, Hkv, D, padded], in float32: a tile's rows of a
+    # KV head are one matrix, against its keys' columns.
     queries = torch.empty(B, Hkv, padded, G, D, device=q.device)
-    queries.copy_(q[source.view(-1)].view(B, padded, Hkv, G, D).transpose(1, 2))
-    written = step[:longest] < lens_t
-    keys_t = (
-        torch.where(written[:, None, :, None], k, 0.0).reshape(B * Hkv, longest, D).transpose(1, 2).float()
-    )
-    values = torch.where(written[:, None, :, None], v, 0.0).reshape(B * Hkv, longest, D)
+    queries.copy_(q[source].view(B, padded, Hkv, G, D).transpose(1, 2))
+    keys_t = torch.empty(B, Hkv, D, padded, device=q.device)
+    keys_t.copy_(k[source].view(B, padded, Hkv, D).permute(0, 2, 3, 1))
+    keys_t = keys_t.view(B * Hkv, D, padded)
+    values = v[source].view(B, padded, Hkv, D).transpose(1, 2).reshape(B * Hkv, padded, D)
     out = q.new_empty(B, padded, H, D)
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).triu_(1)
     for a in range(0, padded, T):
@@ -286,42 +290,44 @@ def _fresh_prompts(
         probs = torch.softmax(scores, -1).to(v.dtype)
         o = torch.bmm(probs, values[: n * Hkv, :e])  # [n * Hkv, T * G, D]
         out[:n, a : a + T] = o.view(n, Hkv, T, G, D).transpose(1, 2).reshape(n, T, H, D)
-    real = step < lens_t
-    rows = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)  # the padded row of each q row
-    rows[source[real]] = torch.arange(B * padded, device=q.device).view(B, padded)[real]
+    real = (step < lens_t).view(-1)
+    rows = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)  # the padded row of each step row
+    rows[source[real]] = torch.arange(B * padded, device=q.device)[real]
     return out.view(B * padded, H, D)[rows]
 
 
 # An op of its own, run eagerly inside the compiled layers: its loop follows the chunks' values.
 _lib = torch.library.Library("kiln", "FRAGMENT")
 _lib.define(
-    "prefill_attention_chunks(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor chunks, "
-    "float scale) -> Tensor"
+    "prefill_attention_chunks(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, "
+    "Tensor block_tables, Tensor chunks, float scale) -> Tensor"
 )
 _lib.impl("prefill_attention_chunks", prefill_attention_chunks, "CPU")
 
 
 @torch.library.register_fake("kiln::prefill_attention_chunks")
-def _(q: Tensor, *pages_and_chunks: object) -> Tensor:
+def _(q: Tensor, *operands: object) -> Tensor:
     return torch.empty_like(q)
 
 
 def paged_attention(
     q: Tensor,
+    k: Tensor,
+    v: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
     meta: AttentionMetadata,
     scale: float,
     decode: DecodeAttention = decode_attention_matmul,
 ) -> Tensor:
-    """Attention for a packed step, after its K/V were written: q [T, H, D] -> [T, H, D]."""
+    """Attention for a packed step, after its K/V [T, Hkv, D] were written: q [T, H, D] -> [T, H, D]."""
     Bd = meta.decode_block_tables.shape[0]
     parts = []
     if Bd > 0:
         parts.append(decode(q[:Bd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale))
     if meta.prefill_block_tables.shape[0] > 0 and q.device.type == "cpu":
         chunks = torch.ops.kiln.prefill_attention_chunks(
-            q[Bd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_chunks, scale
+            q[Bd:], k[Bd:], v[Bd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_chunks, scale
         )
         parts.append(chunks)
     elif meta.prefill_block_tables.shape[0] > 0:

@@ -104,8 +104,10 @@ def test_prefill_attention_is_a_causal_softmax_below_its_context(form, starts, n
         prefill_chunks=torch.tensor(list(zip(starts, n))),
     )
     if form == "one-by-one":
+        # The step's own K/V of each chunk: its positions of the sequence's.
+        k, v = (torch.cat([x[b][s : s + m] for b, (s, m) in enumerate(zip(starts, n))]) for x in (ks, vs))
         out = torch.ops.kiln.prefill_attention_chunks(
-            q, k_cache, v_cache, tables, meta.prefill_chunks, D**-0.5
+            q, k, v, k_cache, v_cache, tables, meta.prefill_chunks, D**-0.5
         )
     else:
         out = prefill_attention(q, k_cache, v_cache, meta, D**-0.5, expand_kv=form == "padded-expanded-kv")

@@ -158,7 +158,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, self.k_cache, self.v_cache, meta, self.head_dim**-0.5, self.decode_attention)
+        out = paged_attention(
+            q, k, v, self.k_cache, self.v_cache, meta, self.head_dim**-0.5, self.decode_attention
+        )
         out = out.reshape(T, q_size)
         if self.tensor_parallel:  # each rank's partial sum first, the residual once
             return h + parallel.all_reduce(self.wo(out, decode))

@@ -224,12 +224,13 @@ def prefill_attention_chunks(
     firsts = [0, *itertools.accumulate(n for _, n in spans)]
     # The empty chunk a step with one carries (compiled/input_batch.py) has nothing to compute.
     fresh = sorted((i for i, (start, n) in enumerate(spans) if start == 0 and n), key=lambda i: -spans[i][1])
-    if len(fresh) > 1:
-        out = _fresh_prompts(q, k, v, [firsts[i] for i in fresh], [spans[i][1] for i in fresh], scale)
+    together = fresh if len(fresh) > 1 else []
+    if together:
+        out = _fresh_prompts(q, k, v, [firsts[i] for i in together], [spans[i][1] for i in together], scale)
     else:
         out = torch.empty_like(q)
     for i, (start, n) in enumerate(spans):
-        if n == 0 or (start == 0 and len(fresh) > 1):
+        if n == 0 or i in together:
             continue
         end = start + n
         table = block_tables[i : i + 1, : -(-end // bs)]

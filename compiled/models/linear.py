@@ -134,16 +134,11 @@ def _packed_linear_add(x: Tensor, packed: Tensor, bias: Tensor | None, residual:
     return torch.ops.mkldnn._linear_pointwise.binary(x, residual.contiguous(), packed, bias, "add")
 
 
-for _key in ("CPU", "MkldnnCPU"):  # a packed bfloat16 weight is an oneDNN tensor
-    _lib.impl("packed_linear", _packed_linear, _key)
-    _lib.impl("packed_linear_add", _packed_linear_add, _key)
-
-
-@torch.library.register_fake("kiln::packed_linear")
-def _(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+def _packed_shape(x: Tensor, packed: Tensor, *bias_and_residual: Tensor | None) -> Tensor:
     return x.new_empty(x.shape[0], packed.shape[0])
 
 
-@torch.library.register_fake("kiln::packed_linear_add")
-def _(x: Tensor, packed: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
-    return x.new_empty(x.shape[0], packed.shape[0])
+for _name, _impl in (("packed_linear", _packed_linear), ("packed_linear_add", _packed_linear_add)):
+    for _key in ("CPU", "MkldnnCPU"):  # a packed bfloat16 weight is an oneDNN tensor
+        _lib.impl(_name, _impl, _key)
+    torch.library.register_fake(f"kiln::{_name}")(_packed_shape)

@@ -377,8 +377,7 @@ def test_the_direct_call_self_check_catches_a_lost_kv_write(tiny_llama):
     layer = runner.model.layers[0]
     h = runner.model.tok_embeddings(step.token_ids)
     freqs = step.positions.float()[:, None] * runner.model.inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    args = (layer, h, emb.cos(), emb.sin(), step.meta)
+    args = (layer, h, freqs.cos(), freqs.sin(), step.meta)
 
     def layer_step(layer, *rest):
         return layer(*rest)

@@ -86,7 +86,7 @@ def test_prefill_attention_is_a_causal_softmax_below_its_context(form, starts, n
     """Chunks one by one (CPU: fresh prompts together tile by tile, the rest alone) or as one padded batch
     meeting GQA as SDPA does or with K/V repeated per query head (CUDA) compute the same."""
     k_cache, v_cache, tables, _, ks, vs = paged_sequences(4, monkeypatch)
-    monkeypatch.setattr(attention, "CAUSAL_TILE", 2)  # several tiles, the last one short
+    monkeypatch.setattr(attention, "CAUSAL_TILES", {2: 1.0})  # several tiles, the last one short
     firsts, q_max = [sum(n[:i]) for i in range(len(n))], max(n)
     q = torch.randn(sum(n), H, D)
     meta = AttentionMetadata(
@@ -117,6 +117,13 @@ def test_prefill_attention_is_a_causal_softmax_below_its_context(form, starts, n
         scores = scores.masked_fill(torch.ones(m, s + m, dtype=torch.bool).triu(s + 1), float("-inf"))
         expected = torch.einsum("hql,lhd->qhd", scores.softmax(-1), v).float()
         torch.testing.assert_close(out[f : f + m], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_short_or_ragged_prompts_take_smaller_causal_tiles():
+    """A tile size is chosen for the padding it costs: a prompt one row into its last tile pads it."""
+    assert attention.causal_tile([256] * 16) == 64  # no padding at all
+    assert attention.causal_tile([40] * 48) < 64  # padded to 64 rows, over half is padding
+    assert attention.causal_tile([257] * 16) < 64  # a 64-row tile of 1 row each
 
 
 def mapping_of(address: int) -> dict[str, str]:

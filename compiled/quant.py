@@ -303,7 +303,7 @@ class QuantLinear(Linear):
         self.slice_product: Callable[..., Tensor] = slice_product
 
     def forward(self, x: Tensor, weight_left: bool = False) -> Tensor:
-        if self.row_blocks and (x.shape[0] == 1 or self.few_rows):
+        if self._reduces(x):
             return self.matvec(x)
         dtype, p, step = x.dtype, self.packed, CHUNK_ROWS // TILE
         x = x.to(cpu_matmul_dtype(dtype) if x.device.type == "cpu" else dtype)

@@ -376,8 +376,8 @@ def test_the_direct_call_self_check_catches_a_lost_kv_write(tiny_llama):
     step = runner.batch.prepare(*runner.batch.split(so.num_scheduled_tokens), so.num_scheduled_tokens)
     layer = runner.model.layers[0]
     h = runner.model.tok_embeddings(step.token_ids)
-    freqs = step.positions.float()[:, None] * runner.model.inv_freq[None, :]
-    args = (layer, h, freqs.cos(), freqs.sin(), step.meta)
+    model = runner.model
+    args = (layer, h, model.rope_cos[step.positions], model.rope_sin[step.positions], step.meta)
 
     def layer_step(layer, *rest):
         return layer(*rest)

@@ -18,7 +18,7 @@ tokens of `P` multi-token chunks (fresh prefills, or chunks continuing after cac
 - Single-query rows: a gather + reduction formulation when compiled (`decode_attention_reduction`):
   Inductor fuses the indirect loads into the reductions, and each query head of a GQA group is its
   own reduction over the same loads, so a K or V slice is loaded once for the whole group; matmuls
-  over gathered K/V eagerly (`decode_attention_matmul`). The compile policy picks one.
+  over gathered K/V eagerly (`decode_attention_matmul`). The step's plan names one.
 - Multi-token chunks attend with matmuls over their sequence's K/V (context and the chunk itself,
   already written): prefill is compute-bound and matmuls beat any reduction there. On CPU
   (`prefill_attention_chunks`) a step's fresh prompts run together tile by tile, a lone one and each
@@ -32,7 +32,6 @@ import contextlib
 import itertools
 import math
 import mmap
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -58,9 +57,6 @@ class AttentionMetadata(NamedTuple):
     def decode_only(self) -> bool:
         """Every token is its sequence's single query (no multi-token chunk): a decode batch."""
         return self.prefill_block_tables.shape[0] == 0
-
-
-DecodeAttention = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]
 
 
 def kv_lanes(device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int) -> int:
@@ -172,6 +168,9 @@ def decode_attention_matmul(
     scores = scores.masked_fill(~valid.view(B, 1, 1, -1), float("-inf"))
     out = torch.einsum("bhgl,bhld->bhgd", scores.softmax(dim=-1), v.float())
     return out.to(q.dtype).reshape(B, H, D)
+
+
+DECODE_ATTENTION = {"reduction": decode_attention_reduction, "matmul": decode_attention_matmul}
 
 
 def prefill_attention(
@@ -337,13 +336,15 @@ def paged_attention(
     v_cache: Tensor,
     meta: AttentionMetadata,
     scale: float,
-    decode: DecodeAttention = decode_attention_matmul,
+    decode: str = "matmul",
 ) -> Tensor:
-    """Attention for a packed step, after its K/V [T, Hkv, D] were written: q [T, H, D] -> [T, H, D]."""
+    """Attention for a packed step, after its K/V [T, Hkv, D] were written: q [T, H, D] -> [T, H, D];
+    its single-query rows through `DECODE_ATTENTION[decode]`."""
     Bd = meta.decode_block_tables.shape[0]
     parts = []
     if Bd > 0:
-        parts.append(decode(q[:Bd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale))
+        attend = DECODE_ATTENTION[decode]
+        parts.append(attend(q[:Bd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale))
     if meta.prefill_block_tables.shape[0] > 0 and q.device.type == "cpu":
         chunks = torch.ops.kiln.prefill_attention_chunks(
             q[Bd:], k[Bd:], v[Bd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_chunks, scale

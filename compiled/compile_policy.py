@@ -29,8 +29,9 @@ from torch import Tensor, nn
 from compiled import guard_free, parallel, quant
 from compiled.attention import AttentionMetadata, write_kv
 from compiled.input_batch import InputBatch
-from compiled.models.linear import Linear, cpu_matmul_dtype
+from compiled.models.linear import PACKED_PREFILL_DTYPES, cpu_matmul_dtype
 from compiled.models.llama import RMSNorm, Transformer, TransformerBlock
+from compiled.plan import OWN_CALLS, MatmulPlan, PartCalls, StepPlan, call_module
 
 logger = logging.getLogger("kiln.runner")
 
@@ -38,8 +39,6 @@ WARMUP_CHUNK = 64  # tokens of the multi-token chunks the warm-up runs; graphs a
 # Keys each single-query warm-up row attends to: Inductor decides which loops to spread over threads
 # from the sizes it compiles with, and a one-key attention would be compiled serial.
 WARMUP_CONTEXT = 512
-# One-row products reduce this many row blocks side by side, an accumulator each (CPU; CUDA unmeasured).
-CPU_ROW_BLOCKS = 4
 # Quantized decode steps of up to this many rows (CPU) take the fused reduction, which reads the packed
 # weight once for all rows: past it, de-quantizing for the matmul costs less than the rows' unpacking.
 FEW_QUANTIZED_ROWS = 8
@@ -148,29 +147,19 @@ class WarmupStep(NamedTuple):
 
 
 class CompilePolicy:
-    """How one model runs: which kernels, what is compiled, and the forward each kind of step calls."""
+    """How one model runs: the plan of each kind of step, what is compiled, and how each step is called."""
 
     def __init__(
         self, model: Transformer, device: torch.device, enforce_eager: bool, dtype: torch.dtype
     ) -> None:
         self.model, self.device, self.eager = model, device, enforce_eager
-        self.prefill_forward: Callable[..., Tensor] = model.forward
         self.decode_forward: Callable[..., Tensor] = model.forward
         self.decode_graphs: dict[str, Callable] = {}  # kind of decode step -> how its layers run
-        self.few_rows = 1  # decode steps of at most this many rows are of their own kind
-        self.few_reduce = True  # whose linear layers reduce row by row (else: matmuls on unpacked weights)
+        self.calls, self.head = OWN_CALLS, call_module  # how the step's ends and the LM head run
+        self.plans, self.few_rows, self.few_reduce = self._plans(dtype)
         if enforce_eager:
             return
-        model.use_fused_kernels(CPU_ROW_BLOCKS if device.type == "cpu" else 1)
         quantized = any(isinstance(m, quant.PackedWeight) for m in model.modules())
-        if quantized and device.type == "cpu":
-            self.few_rows = FEW_QUANTIZED_ROWS
-        elif device.type == "cpu":
-            packed = any(getattr(m, "prepacked", None) is not None for m in model.layers.modules())
-            if cpu_matmul_dtype(dtype) != torch.float32:
-                self.few_rows = FEW_HALF_ROWS_PACKED if packed else FEW_HALF_ROWS
-            elif packed:
-                self.few_rows, self.few_reduce = FEW_FLOAT_ROWS_UNPACKED, False
         options = dict(INDUCTOR_FLAGS)
         if device.type == "cpu":
             options.update(CPU_THREADS_FOLLOW_LOAD)
@@ -178,17 +167,19 @@ class CompilePolicy:
         if quantized:
             options.update(quant.INDUCTOR_OPTIONS)
         # Guards stay on module attributes and weights: they tell two models of one process apart.
-        for module in [*model.layers, model.output]:  # the LM head too: one more weight stream per step
-            if isinstance(module, quant.QuantLinear):
-                _compile_sliced(module, options)
-            else:  # a copy each: torch.compile takes guard_filter_fn out of the dict it is given
-                module.compile(dynamic=True, fullgraph=True, options={**options})
+        for module in model.layers:  # a copy each: torch.compile takes guard_filter_fn out of the dict
+            module.compile(dynamic=True, fullgraph=True, options={**options})
+        if isinstance(model.output, quant.QuantLinear):
+            self.head = functools.partial(_quantized_head, _sliced_kernels(options))
+        else:  # the LM head too: one more weight stream per step
+            model.output.compile(dynamic=True, fullgraph=True, options={**options})
         if device.type == "cpu" and guard_free.supported():
             # The step's eager ends, compiled: each cost ~0.1 ms of a one-row step (a dozen eager ops).
-            for module in (model.tok_embeddings, model.norm):
-                if isinstance(module, (quant.QuantEmbedding, RMSNorm)):
-                    calls = _GuardFreeCalls(type(module).forward, _rows_kind, options)
-                    module.forward = functools.partial(calls, module)
+            embed, norm = (
+                _GuardFreeCalls(type(m).forward, _rows_kind, options) if isinstance(m, types) else call_module
+                for m, types in ((model.tok_embeddings, quant.QuantEmbedding), (model.norm, RMSNorm))
+            )
+            self.calls = PartCalls(embed=embed, norm=norm)
         if device.type == "cuda":
             self.decode_forward = torch.compile(model.forward, **CUDA_DECODE)
             # Every (bucket, width) pair is a graph recorded on purpose: no warning past the eighth.
@@ -199,6 +190,31 @@ class CompilePolicy:
             # Called directly, Inductor's module crashed on a functional collective (gloo): those layers
             # keep Dynamo's guarded calls. The shared-memory all-reduce is a plain custom op.
             self.decode_forward = self._decode_guard_free
+
+    def _plans(self, dtype: torch.dtype) -> tuple[dict[str, StepPlan], int, bool]:
+        """The plan of each kind of step; decode steps of at most `few_rows` rows are "few", and their
+        linears reduce row by row where `few_reduce` (else: matmuls on the weights as stored)."""
+        model, cpu = self.model, self.device.type == "cpu"
+        upcast = cpu and cpu_matmul_dtype(dtype) != dtype
+        decode = MatmulPlan(packed=True, weight_left=cpu, upcast=upcast)
+        few_rows, few = 1, MatmulPlan(matvec=True)
+        if not self.eager and cpu:
+            packed = any(getattr(m, "prepacked", None) is not None for m in model.layers.modules())
+            if any(isinstance(m, quant.PackedWeight) for m in model.modules()):
+                few_rows = FEW_QUANTIZED_ROWS
+            elif cpu_matmul_dtype(dtype) != torch.float32:
+                few_rows = FEW_HALF_ROWS_PACKED if packed else FEW_HALF_ROWS
+            elif packed:
+                few_rows, few = FEW_FLOAT_ROWS_UNPACKED, MatmulPlan(weight_left=True)
+        attention = "matmul" if self.eager else "reduction"  # eagerly the reduction materialises products
+        prefill = MatmulPlan(packed=cpu and cpu_matmul_dtype(dtype) in PACKED_PREFILL_DTYPES, upcast=upcast)
+        plans = {
+            "one": StepPlan("one", decode if self.eager else MatmulPlan(matvec=True), attention),
+            "few": StepPlan("few", few, attention),
+            "more": StepPlan("more", decode, attention),
+            "prefill": StepPlan("prefill", prefill, attention),
+        }
+        return plans, few_rows, few.matvec
 
     def mark_kv_cache(self, caches: list[Tensor]) -> None:
         if self.eager:
@@ -230,59 +246,73 @@ class CompilePolicy:
         ]
         return graphs + prefill + [WarmupStep(rows, (chunk, 2), context, 1)]
 
-    def forward(self, decode_only: bool) -> Callable[..., Tensor]:
-        return self._decode if decode_only else self._prefill
+    def plan(self, rows: int, decode_only: bool) -> StepPlan:
+        """The plan of a step of `rows` tokens, every one a single query where `decode_only`."""
+        return self.plans[self._decode_kind(rows) if decode_only else "prefill"]
+
+    def head_plan(self, rows: int) -> MatmulPlan:
+        """How the LM head multiplies `rows` rows: a few reduce where the step's layers would, except on a
+        packed head, where one weight read for all rows beats one a row from two rows on."""
+        packed = getattr(self.model.output, "prepacked", None) is not None
+        few = self.few_reduce and rows <= self.few_rows and not packed
+        return self.plans["one" if rows == 1 or few else "more"].linear
 
     def _decode_kind(self, rows: int) -> str:
         return "one" if rows == 1 else "few" if rows <= self.few_rows else "more"
 
-    def _prefill(self, token_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
-        Linear.few_rows, Linear.packed_rows = False, True
-        with flags():
-            return self.prefill_forward(token_ids, positions, meta)
-
-    def _decode(self, token_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
-        kind = self._decode_kind(token_ids.shape[0])
-        # Read by the layers as they trace: each kind of step gets graphs of its own.
-        few = kind == "few"
-        Linear.few_rows, Linear.packed_rows = few and self.few_reduce, not few or self.few_reduce
-        graph = self.decode_graphs.get(kind)
+    def forward(
+        self, token_ids: Tensor, positions: Tensor, meta: AttentionMetadata, plan: StepPlan
+    ) -> Tensor:
+        """Hidden states of a step's tokens, computed as `plan` says."""
+        graph = self.decode_graphs.get(plan.kind)
         if isinstance(graph, guard_free.GuardFreeGraph):  # nothing traces: the flags would cost ~0.2 ms
-            return self.model.forward(token_ids, positions, meta, block=graph)
+            return self.model(token_ids, positions, meta, plan, self.calls._replace(block=graph))
         with flags():
-            return self.decode_forward(token_ids, positions, meta)
+            if plan.decode:
+                return self.decode_forward(token_ids, positions, meta, plan)
+            return self.model(token_ids, positions, meta, plan, self.calls)
 
-    def _decode_guard_free(self, token_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+    def logits(self, hidden: Tensor) -> Tensor | None:
+        """The LM head over sampled rows (compute_logits)."""
+        return self.model.compute_logits(hidden, self.head_plan(hidden.shape[0]), self.head)
+
+    def _decode_guard_free(
+        self, token_ids: Tensor, positions: Tensor, meta: AttentionMetadata, plan: StepPlan
+    ) -> Tensor:
         """CPU decode: every layer through the graph of its kind of step (one row, a few, more), no guards.
         The first decode step of a kind (in the warm-up) runs through Dynamo and looks the graph up."""
-        kind = self._decode_kind(token_ids.shape[0])
-        graph = self.decode_graphs.get(kind)
-        if graph is not None:
-            return self.model.forward(token_ids, positions, meta, block=graph)
         seen: list[tuple] = []
 
         def block(layer: TransformerBlock, *args: object) -> Tensor:
             seen.append((layer, *args))
             return layer(*args)
 
-        hidden = self.model.forward(token_ids, positions, meta, block=block)
+        hidden = self.model(token_ids, positions, meta, plan, self.calls._replace(block=block))
         graph = guard_free.GuardFreeGraph.lookup(TransformerBlock.forward, *seen[-1])
         if graph is None:
             logger.warning(
-                "decode steps of %s rows keep Dynamo's guarded calls: it compiled no graph for them", kind
+                "decode steps of %s rows keep Dynamo's guarded calls: it compiled no graph for them",
+                plan.kind,
             )
         else:
             graph.go_direct(lambda wrapped, direct: _same_layer_step(wrapped, direct, *seen[-1]))
-        self.decode_graphs[kind] = graph or _guarded_block
+        self.decode_graphs[plan.kind] = graph or call_module
         return hidden
 
 
-def _compile_sliced(head: quant.QuantLinear, options: dict) -> None:
-    """A quantized LM head: its one- and few-row products compiled, and its de-quantized matmul called
-    slice by slice through one graph per slice shape; each without Dynamo's guards once found."""
-    matvec = _GuardFreeCalls(quant.QuantLinear.matvec, _rows_kind, options)
-    head.matvec = functools.partial(matvec, head)
-    head.slice_product = _GuardFreeCalls(quant.slice_product, _slice_kind, options, rows_of=0)
+def _sliced_kernels(options: dict) -> quant.QuantKernels:
+    """A quantized LM head's one- and few-row reduction compiled, and its de-quantized matmul called slice
+    by slice through one graph per slice shape; each without Dynamo's guards once found."""
+    return quant.QuantKernels(
+        matvec=_GuardFreeCalls(quant.QuantLinear.reduce, _rows_kind, options),
+        slice_product=_GuardFreeCalls(quant.slice_product, _slice_kind, options, rows_of=0),
+    )
+
+
+def _quantized_head(
+    kernels: quant.QuantKernels, head: quant.QuantLinear, x: Tensor, how: MatmulPlan
+) -> Tensor:
+    return head(x, how, kernels)
 
 
 def _rows_kind(module: nn.Module, x: Tensor) -> tuple:
@@ -322,10 +352,6 @@ class _GuardFreeCalls:
         return y
 
 
-def _guarded_block(layer: TransformerBlock, *args: object) -> Tensor:
-    return layer(*args)
-
-
 def _same_layer_step(
     wrapped: Callable,
     direct: Callable,
@@ -334,18 +360,19 @@ def _same_layer_step(
     cos: Tensor,
     sin: Tensor,
     meta: AttentionMetadata,
+    plan: StepPlan,
 ) -> bool:
     """Whether `direct` computes what `wrapped` does on one layer step: the same hidden states, and the
     same K/V in the slots it writes (poisoned with NaN first, so a lost write cannot pass)."""
     attn, slots = layer.attention, meta.slot_mapping
     blocks = (slots // attn.v_cache.shape[3]).unique()
-    expected = wrapped(layer, h, cos, sin, meta)
+    expected = wrapped(layer, h, cos, sin, meta, plan)
     kv = attn.k_cache[blocks].clone(), attn.v_cache[blocks].clone()
     nan = torch.full(
         (slots.shape[0], attn.n_kv_heads, attn.head_dim), float("nan"), dtype=h.dtype, device=h.device
     )
     write_kv(attn.k_cache, attn.v_cache, nan, nan, slots)
-    got = direct(layer, h, cos, sin, meta)
+    got = direct(layer, h, cos, sin, meta, plan)
     # Close, not equal: BLAS may round differently from call to call. Slots nobody wrote may hold NaN
     # garbage on both sides; a lost write leaves NaN where the wrapped call wrote a number.
     same_kv = all(

@@ -166,8 +166,8 @@ class ModelRunner:
 
     def hidden_states(self, step: StepBatch) -> Tensor:
         """The model's last hidden state for every token of a prepared step, as production computes it."""
-        forward = self.policy.forward(step.meta.decode_only)
-        return forward(step.token_ids, step.positions, step.meta)
+        plan = self.policy.plan(step.token_ids.shape[0], step.meta.decode_only)
+        return self.policy.forward(step.token_ids, step.positions, step.meta, plan)
 
     def _run(
         self, step: StepBatch, grammar_bitmasks: dict[str, np.ndarray] | None = None
@@ -181,7 +181,7 @@ class ModelRunner:
         }
         if not step.sampled:
             return [], None, prompt_logprobs
-        logits = self.model.compute_logits(hidden[self.batch.inputs.put("logits_index", step.logits_index)])
+        logits = self.policy.logits(hidden[self.batch.inputs.put("logits_index", step.logits_index)])
         if logits is None:  # a tensor-parallel rank past 0: it takes rank 0's tokens
             tokens = torch.empty(len(step.sampled), dtype=torch.int64, device=self.device)
             return parallel.broadcast(tokens).tolist(), None, prompt_logprobs
@@ -216,7 +216,7 @@ class ModelRunner:
         n, out = s.sampling_params.prompt_logprobs or 0, []
         for first in range(0, hidden.shape[0], PROMPT_LOGITS_ROWS):
             h = hidden[first : first + PROMPT_LOGITS_ROWS]
-            logits = self.model.compute_logits(h)
+            logits = self.policy.logits(h)
             if logits is None:  # a tensor-parallel rank past 0: its shard went to rank 0
                 continue
             logprobs = logits.float().log_softmax(-1)

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 from torch._inductor import inductor_prims
 
-from compiled.models.linear import Linear, cpu_matmul_dtype
+from compiled.plan import MatmulPlan
 
 TILE = 16  # rows per tile: one AVX-512 vector of float32, two AVX2 ones (eight ran 20x slower on AVX-512)
 # Several rows de-quantize this many weight rows at a time: a slice stays in cache for its matmul, and
@@ -285,35 +286,47 @@ def _per_word(t: Tensor, rep: int) -> Tensor:
     return t[:, :, None, :].expand(tiles, groups, rep, lanes).reshape(tiles, groups * rep, lanes)
 
 
-class QuantLinear(Linear):
-    """A Linear whose weight is packed: one row, or a few (`few_rows`), through the fused reduction;
-    more rows de-quantized for the matmul, CHUNK_ROWS weight rows at a time.
+class QuantLinear(nn.Module):
+    """A linear layer whose weight is packed: one row, or a few (the plan's `matvec`), through the fused
+    reduction; more rows de-quantized for the matmul, CHUNK_ROWS weight rows at a time.
 
-    `slice_product` computes one slice. Inside a compiled layer its calls unroll into the layer's
-    graph. The LM head has many more slices (24 for SmolLM2's vocabulary): the compile policy gives it
-    one graph called slice by slice, since unrolled they took ~20 s to compile."""
-
-    prepacked = None  # its packing is its own (`packed`)
+    Inside a compiled layer the slices' products unroll into the layer's graph. The LM head has many more
+    slices (24 for SmolLM2's vocabulary): the compile policy passes it `kernels` with one graph called
+    slice by slice, since unrolled they took ~20 s to compile."""
 
     def __init__(self, packed: PackedWeight, bias: Tensor | None) -> None:
-        nn.Module.__init__(self)
+        super().__init__()
         self.packed = packed
         self.in_features, self.out_features = packed.in_features, packed.out_features
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.slice_product: Callable[..., Tensor] = slice_product
 
-    def forward(self, x: Tensor, weight_left: bool = False) -> Tensor:
-        if self._reduces(x):
-            return self.matvec(x)
+    def forward(self, x: Tensor, how: MatmulPlan, kernels: QuantKernels | None = None) -> Tensor:
+        kernels = kernels or EAGER_KERNELS
+        if how.matvec:
+            return kernels.matvec(self, x)
         dtype, p, step = x.dtype, self.packed, CHUNK_ROWS // TILE
-        x = x.to(cpu_matmul_dtype(dtype) if x.device.type == "cpu" else dtype)
+        x = x.float() if how.upcast else x
         slices = [p.tiles(t, t + step) for t in range(0, p.words.shape[0], step)]
-        y = torch.cat([self.slice_product(x, *w, p.bits, p.group) for w in slices], -1)
+        y = torch.cat([kernels.slice_product(x, *w, p.bits, p.group) for w in slices], -1)
         return (y if self.bias is None else y + self.bias.to(y.dtype)).to(dtype)
 
-    def matvec(self, x: Tensor) -> Tensor:
+    def add_to(self, h: Tensor, x: Tensor, how: MatmulPlan) -> Tensor:
+        return h + self(x, how)
+
+    def reduce(self, x: Tensor) -> Tensor:
+        """One row or a few through the fused reduction."""
         y = self.packed.matvec(x).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+
+class QuantKernels(NamedTuple):
+    """How a QuantLinear computes: its one- and few-row reduction, and the product of one slice."""
+
+    matvec: Callable[[QuantLinear, Tensor], Tensor] = QuantLinear.reduce
+    slice_product: Callable[..., Tensor] = slice_product
+
+
+EAGER_KERNELS = QuantKernels()
 
 
 class QuantEmbedding(nn.Module):

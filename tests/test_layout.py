@@ -96,3 +96,22 @@ def test_no_product_module_is_over_the_limit():
         rel: len(p.read_text().splitlines()) for rel, p in modules().items() if not rel.startswith(BENCH)
     }
     assert max(sizes.values()) <= MAX_LINES, {rel: n for rel, n in sizes.items() if n > MAX_LINES}
+
+
+def test_compiled_code_assigns_no_class_attribute_and_replaces_no_forward():
+    """How a step computes travels in its plan (compiled/plan.py): nothing flips a class's attribute, and
+    no module's forward is swapped for another callable."""
+    bad = []
+    for rel, path in modules().items():
+        if not rel.startswith("compiled"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            targets += [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in (e for x in targets for e in (x.elts if isinstance(x, (ast.Tuple, ast.List)) else [x])):
+                on_class = (
+                    isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id[0].isupper()
+                )
+                if on_class or (isinstance(t, ast.Attribute) and t.attr == "forward"):
+                    bad.append(f"{rel}:{node.lineno}")
+    assert bad == []

@@ -13,6 +13,7 @@ from compiled import compile_policy, guard_free, quant
 from compiled.guard_free import GuardFreeGraph
 from compiled.input_batch import StepInputs, decode_buckets
 from compiled.model_runner import ModelRunner
+from compiled.plan import PartCalls, call_module
 from engine.params import SamplingParams
 from engine.step import NewRequestData
 from server.bench.driver import (
@@ -137,32 +138,33 @@ def test_rows_run_on_weights_packed_for_onednn_on_cpu(tiny_llama, dtype):
         if packed is not None:  # packed in the dtype the matmul runs in on this CPU
             assert packed.dtype == cpu_matmul_dtype(linear.weight.dtype)
     tol = 1e-5 if dtype == "float32" else 2e-2
-    w13 = runner.model.layers[0].feed_forward.w13
+    w13, plans = runner.model.layers[0].feed_forward.w13, runner.policy.plans
+    decode, prefill_plan = plans["more"].linear, plans["prefill"].linear
     x = torch.randn(7, 64).to(w13.weight.dtype)
     expected = x.float() @ w13.weight.float().T
-    torch.testing.assert_close(w13(x, True).float(), expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(w13(x, decode).float(), expected, rtol=tol, atol=tol)
     with torch.profiler.profile() as prof:
-        prefill = w13(x)  # a prefill's rows: on the packed copy where it is bfloat16
+        prefill = w13(x, prefill_plan)  # a prefill's rows: on the packed copy where it is bfloat16
     calls = sum(e.count for e in prof.key_averages() if e.key == "kiln::packed_linear")
     assert calls == (w13.prepacked is not None and w13.prepacked.dtype in PACKED_PREFILL_DTYPES)
     torch.testing.assert_close(prefill.float(), expected, rtol=tol, atol=tol)
     # The output projection adds to the residual stream inside the packed product.
     wo, h = runner.model.layers[0].attention.wo, torch.randn(7, 64).to(w13.weight.dtype)
-    for weight_left in (False, True):
+    for how in (prefill_plan, decode):
         with torch.profiler.profile() as prof:
-            summed = wo.add_to(h, x, weight_left)
+            summed = wo.add_to(h, x, how)
         fused = sum(e.count for e in prof.key_averages() if e.key == "kiln::packed_linear_add")
-        packed = wo.prepacked is not None and (weight_left or wo.prepacked.dtype in PACKED_PREFILL_DTYPES)
+        packed = wo.prepacked is not None and (how is decode or wo.prepacked.dtype in PACKED_PREFILL_DTYPES)
         assert fused == packed
         expected_sum = h.float() + x.float() @ wo.weight.float().T
         torch.testing.assert_close(summed.float(), expected_sum, rtol=tol, atol=2 * tol)
     weight = runner.model.output.weight
     hidden = torch.randn(5, 64).to(weight.dtype)
     expected = hidden.float() @ weight.float().T
-    logits = runner.model.compute_logits(hidden)
+    logits = runner.policy.logits(hidden)
     assert logits.dtype == torch.float32 and logits.is_contiguous()  # row maxima read rows
     torch.testing.assert_close(logits, expected, rtol=tol, atol=tol)
-    torch.testing.assert_close(runner.model.compute_logits(hidden[:1]), expected[:1], rtol=tol, atol=tol)
+    torch.testing.assert_close(runner.policy.logits(hidden[:1]), expected[:1], rtol=tol, atol=tol)
 
 
 def test_no_packed_copy_where_it_would_crowd_the_ram(tiny_llama, monkeypatch):
@@ -179,7 +181,7 @@ def test_no_packed_copy_where_it_would_crowd_the_ram(tiny_llama, monkeypatch):
     assert all(getattr(m, "prepacked", None) is None for m in runner.model.modules())
     hidden = torch.randn(5, 64)
     expected = hidden @ runner.model.output.weight.T
-    torch.testing.assert_close(runner.model.compute_logits(hidden), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(runner.policy.logits(hidden), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -274,8 +276,28 @@ def test_bfloat16_teacher_forced_matches_transformers_bfloat16(smollm2_dir, smol
     assert (a - ref).norm() <= (b - ref).norm()
 
 
+def module_state(model: torch.nn.Module) -> dict:
+    """Every module's own attributes (tensors, modules and callables by identity, the rest by value) and
+    the attributes of its class: what would change if a step's choices were kept on the modules."""
+    state = {}
+    for name, m in model.named_modules():
+        attrs = {k: v for k, v in vars(m).items() if k not in ("_parameters", "_buffers", "_modules")}
+        for table in ("_parameters", "_buffers", "_modules"):
+            attrs.update({(table, k): v for k, v in getattr(m, table).items()})
+        state[name] = {
+            k: id(v) if isinstance(v, torch.Tensor | torch.nn.Module) or callable(v) else v
+            for k, v in attrs.items()
+        }
+        state[name, "class"] = {k: id(v) for k, v in vars(type(m)).items()}
+        # No method is replaced on the instance: an instance attribute never shadows its class's method.
+        assert not [k for k in vars(m) if callable(getattr(type(m), k, None)) and not k.startswith("__")]
+    return state
+
+
 @pytest.mark.parametrize("quantization", ["none", "int4"])
 def test_no_recompile_after_warmup(tiny_llama, monkeypatch, quantization):
+    """Every kind of step (one row, a few, more, mixed with chunks) after the warm-up: nothing compiles,
+    and no module or module class changes: a step's choices travel in its plan."""
     # Decode steps skip Dynamo's guards after the warm-up: check them anyway, on every call.
     monkeypatch.setattr(GuardFreeGraph, "check_guards", True)
     torch._dynamo.reset()  # graphs other tests compiled count against Dynamo's recompile limit
@@ -290,6 +312,7 @@ def test_no_recompile_after_warmup(tiny_llama, monkeypatch, quantization):
         quantization=quantization,
     )
     runner.initialize_kv_cache(512)
+    before = module_state(runner.model)
     runner.warmup()
     graphs = runner.policy.decode_graphs
     # Decode graphs for one row and for more, and for a few: quantized up to 8 rows, reduced row by row;
@@ -299,13 +322,14 @@ def test_no_recompile_after_warmup(tiny_llama, monkeypatch, quantization):
     assert all(isinstance(g, GuardFreeGraph) for g in graphs.values())
     assert all(g.direct for g in graphs.values())  # straight into Inductor's modules
     if quantization == "int4":  # the head's five slices share one graph, called the same way
-        head = runner.model.output
-        assert [g.direct for g in head.slice_product.graphs.values()] == [True]
-        assert [g.direct for g in head.matvec.func.graphs.values()] == [True, True]  # one row, a few
+        kernels = runner.policy.head.args[0]
+        assert [g.direct for g in kernels.slice_product.graphs.values()] == [True]
+        assert [g.direct for g in kernels.matvec.graphs.values()] == [True, True]  # one row, a few
     # The step's ends likewise: the final norm (and a quantized embedding) for one row and for more.
-    ends = [m for m in (runner.model.norm, runner.model.tok_embeddings) if hasattr(m.forward, "func")]
-    assert runner.model.norm in ends
-    assert all([g.direct for g in m.forward.func.graphs.values()] == [True, True] for m in ends)
+    calls = runner.policy.calls
+    ends = [c for c in (calls.norm, calls.embed) if isinstance(c, compile_policy._GuardFreeCalls)]
+    assert calls.norm in ends
+    assert all([g.direct for g in c.graphs.values()] == [True, True] for c in ends)
     torch.manual_seed(0)
     drv = RunnerDriver(runner, chunk=40)
     threads = torch.get_num_threads()  # changed on the way, as the load would: no step recompiles for it
@@ -320,11 +344,13 @@ def test_no_recompile_after_warmup(tiny_llama, monkeypatch, quantization):
                 drv.step([str(i) for i in range(b)])
         torch.set_num_threads(threads)
     assert all(len(r["out"]) >= 1 for r in drv.reqs.values())
+    assert module_state(runner.model) == before
     # The check can fail: the one-row graph's guards refuse a two-row step.
     two = [runner.batch.requests["0"], runner.batch.requests["1"]]
     step = runner.batch.prepare(two, [], {"0": 1, "1": 1})
     with pytest.raises(AssertionError, match="guards"):
-        runner.model(step.token_ids, step.positions, step.meta, block=graphs["one"])
+        plan = runner.policy.plan(2, decode_only=True)
+        runner.model(step.token_ids, step.positions, step.meta, plan, PartCalls(block=graphs["one"]))
 
 
 def test_step_inputs_are_written_in_place_and_grow():
@@ -357,7 +383,7 @@ def test_decode_falls_back_to_the_wrapped_calls(fallback, tiny_llama, monkeypatc
         drv.step()
     assert len(drv.reqs["a"]["out"]) == 3
     if fallback == "dynamo compiled no graph":
-        assert runner.policy.decode_graphs == {"one": compile_policy._guarded_block}
+        assert runner.policy.decode_graphs == {"one": call_module}
         assert "keep Dynamo's guarded calls" in caplog.text
     else:
         assert [g.direct for g in runner.policy.decode_graphs.values()] == [False]
@@ -377,7 +403,8 @@ def test_the_direct_call_self_check_catches_a_lost_kv_write(tiny_llama):
     layer = runner.model.layers[0]
     h = runner.model.tok_embeddings(step.token_ids)
     model = runner.model
-    args = (layer, h, model.rope_cos[step.positions], model.rope_sin[step.positions], step.meta)
+    plan = runner.policy.plan(1, decode_only=True)
+    args = (layer, h, model.rope_cos[step.positions], model.rope_sin[step.positions], step.meta, plan)
 
     def layer_step(layer, *rest):
         return layer(*rest)

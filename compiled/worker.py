@@ -14,8 +14,9 @@ import torch._inductor.compile_fx  # what torch.compile imports on first use: lo
 
 from compiled import compile_policy, parallel
 from compiled.cpu_threads import CpuThreads
+from compiled.gguf import convert_gguf
 from compiled.host_memory import available_ram, keep_freed_memory
-from compiled.loader import convert_gguf, resolve_dtype
+from compiled.loader import resolve_dtype
 from compiled.model_runner import ModelRunner
 from engine.config import EngineConfig
 from engine.step import ModelRunnerOutput, SchedulerOutput

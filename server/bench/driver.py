@@ -7,8 +7,8 @@ import weakref
 
 import torch
 
+from compiled.gguf import convert_gguf
 from compiled.input_batch import cdiv
-from compiled.loader import convert_gguf
 from compiled.model_runner import ModelRunner
 from compiled.worker import Worker
 from engine.config import EngineConfig

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
+from compiled.attention import backend_for
 from compiled.gguf import read_gguf
 from compiled.models.linear import CPU_HAS_FAST_BF16, Linear
 from compiled.models.llama import ModelArgs, Transformer, rope_inv_freq
@@ -178,7 +179,7 @@ def load_model(
         raise ValueError(f"{model_dir} cannot run tensor-parallel: {error}")
     args = dataclasses.replace(args, tp_rank=tp_rank, tp_size=tp_size)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = Transformer(args, backend_for(device))
     if quantization == "gguf":
         if gguf_path is None:
             raise ValueError("quantization gguf needs a .gguf model file")

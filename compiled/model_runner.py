@@ -91,7 +91,7 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self.model.allocate_kv_cache(num_blocks, self.block_size, self.device, self.dtype)
+        self.model.allocate_kv_cache(num_blocks, self.block_size, self.dtype)
         self.policy.mark_kv_cache(
             [c for layer in self.model.layers for c in (layer.attention.k_cache, layer.attention.v_cache)]
         )

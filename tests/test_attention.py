@@ -3,17 +3,17 @@ import os
 import pytest
 import torch
 
-from compiled import attention
+from compiled import attention_cpu
 from compiled.attention import (
     AttentionMetadata,
-    _gather_keys,
-    _gather_values,
     decode_attention_matmul,
     decode_attention_reduction,
-    new_kv_cache,
-    prefill_attention,
+    gather_keys,
+    gather_values,
     write_kv,
 )
+from compiled.attention_cpu import CpuAttention
+from compiled.attention_cuda import prefill_attention
 
 B, H, HKV, D, BS = 3, 6, 2, 32, 16
 
@@ -21,9 +21,10 @@ B, H, HKV, D, BS = 3, 6, 2, 32, 16
 def paged_sequences(lanes: int, monkeypatch) -> tuple:
     """Three sequences of different lengths written through write_kv into caches with slices `lanes` wide,
     every slot nobody wrote holding NaN, and their K/V in position order for reference."""
-    monkeypatch.setattr(attention, "kv_lanes", lambda *a: lanes)
+    monkeypatch.setattr(CpuAttention, "vector_bytes", lanes * 4)  # float32 slices `lanes` wide
     torch.manual_seed(lanes)
-    k_cache, v_cache = new_kv_cache(16, BS, HKV, D, torch.device("cpu"), torch.float32)
+    k_cache, v_cache = CpuAttention().new_kv_cache(16, BS, HKV, D, torch.float32)
+    assert k_cache.shape[-1] == v_cache.shape[-1] == lanes
     k_cache.fill_(float("nan"))
     v_cache.fill_(float("nan"))
     lens = [5, 37, 16]
@@ -49,7 +50,7 @@ def reference(q: torch.Tensor, ks: list, vs: list) -> torch.Tensor:
 @pytest.mark.parametrize("lanes", [4, 8, 16])
 def test_gathers_read_back_what_write_kv_stored(lanes, monkeypatch):
     k_cache, v_cache, tables, lens, ks, vs = paged_sequences(lanes, monkeypatch)
-    keys, values = _gather_keys(k_cache, tables), _gather_values(v_cache, tables)
+    keys, values = gather_keys(k_cache, tables), gather_values(v_cache, tables)
     for b, n in enumerate(lens.tolist()):
         assert torch.equal(keys[b, :, :n], ks[b].transpose(0, 1))
         assert torch.equal(values[b, :, :n], vs[b].transpose(0, 1))
@@ -86,7 +87,7 @@ def test_prefill_attention_is_a_causal_softmax_below_its_context(form, starts, n
     """Chunks one by one (CPU: fresh prompts together tile by tile, the rest alone) or as one padded batch
     meeting GQA as SDPA does or with K/V repeated per query head (CUDA) compute the same."""
     k_cache, v_cache, tables, _, ks, vs = paged_sequences(4, monkeypatch)
-    monkeypatch.setattr(attention, "CAUSAL_TILES", {2: 1.0})  # several tiles, the last one short
+    monkeypatch.setattr(attention_cpu, "CAUSAL_TILES", {2: 1.0})  # several tiles, the last one short
     firsts, q_max = [sum(n[:i]) for i in range(len(n))], max(n)
     q = torch.randn(sum(n), H, D)
     meta = AttentionMetadata(
@@ -121,9 +122,9 @@ def test_prefill_attention_is_a_causal_softmax_below_its_context(form, starts, n
 
 def test_short_or_ragged_prompts_take_smaller_causal_tiles():
     """A tile size is chosen for the padding it costs: a prompt one row into its last tile pads it."""
-    assert attention.causal_tile([256] * 16) == 64  # no padding at all
-    assert attention.causal_tile([40] * 48) < 64  # padded to 64 rows, over half is padding
-    assert attention.causal_tile([257] * 16) < 64  # a 64-row tile of 1 row each
+    assert attention_cpu.causal_tile([256] * 16) == 64  # no padding at all
+    assert attention_cpu.causal_tile([40] * 48) < 64  # padded to 64 rows, over half is padding
+    assert attention_cpu.causal_tile([257] * 16) < 64  # a 64-row tile of 1 row each
 
 
 def mapping_of(address: int) -> dict[str, str]:
@@ -144,7 +145,7 @@ def mapping_of(address: int) -> dict[str, str]:
 
 
 def test_the_cpu_kv_cache_is_zero_and_committed_on_small_pages_as_blocks_are_written():
-    k, v = new_kv_cache(256, 64, 3, 64, torch.device("cpu"), torch.bfloat16)  # 6 MiB each, 24 KiB a block
+    k, v = CpuAttention().new_kv_cache(256, 64, 3, 64, torch.bfloat16)  # 6 MiB each, 24 KiB a block
     has_thp = os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
     for cache in (k, v):
         assert ("nh" in mapping_of(cache.data_ptr())["VmFlags"].split()) == has_thp  # MADV_NOHUGEPAGE

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from compiled import parallel
-from compiled.attention import AttentionMetadata, new_kv_cache, paged_attention, write_kv
+from compiled.attention import AttentionBackend, AttentionMetadata, paged_attention, write_kv
 from compiled.models.linear import Linear
 from compiled.plan import OWN_CALLS, MatmulPlan, PartCalls, StepPlan, call_module
 
@@ -107,7 +107,7 @@ def rope_inv_freq(args: ModelArgs) -> Tensor:
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate-half RoPE (the HF layout); x is [T, heads, head_dim], cos/sin are [T, head_dim / 2] (the
     reference repeats them for both halves). Each half in one expression: the same bits as
-    x·cos + rotate_half(x)·sin, where Inductor wrote rotate_half out first (2.5x slower)."""
+    x·cos + rotate_half(x)·sin, where Inductor wrote rotate_half out first."""
     x1, x2 = x.chunk(2, dim=-1)
     cos, sin = cos[:, None], sin[:, None]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
@@ -127,8 +127,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, backend: AttentionBackend) -> None:
         super().__init__()
+        self.backend = backend
         split = parallel.Split.of(args)
         self.n_heads, self.n_kv_heads, self.head_dim = split.heads, split.kv_heads, args.head_dim
         self.tensor_parallel = args.tp_size > 1
@@ -155,8 +156,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+        scale = self.head_dim**-0.5
         out = paged_attention(
-            q, k, v, self.k_cache, self.v_cache, meta, self.head_dim**-0.5, plan.decode_attention
+            q, k, v, self.k_cache, self.v_cache, meta, scale, self.backend, plan.decode_attention
         )
         out = out.reshape(T, q_size)
         if self.tensor_parallel:  # each rank's partial sum first, the residual once
@@ -182,10 +184,10 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, attention: AttentionBackend) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = Attention(args, attention)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
@@ -195,12 +197,13 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, attention: AttentionBackend) -> None:
+        """`attention`: the device's attention backend (compiled/attention.py)."""
         super().__init__()
-        self.args = args
+        self.args, self.attention_backend = args, attention
         self.split = parallel.Split.of(args)
         self.tok_embeddings = nn.Embedding(self.split.vocab, args.dim)  # this rank's rows of the vocabulary
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(args, attention) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = Linear(args.dim, self.split.vocab, bias=False)
         if args.tie_word_embeddings:
@@ -227,7 +230,7 @@ class Transformer(nn.Module):
 
     def cache_rope(self, max_len: int, dtype: torch.dtype) -> None:
         """cos and sin of every position below max_len, made once before the first step: a step gathers its
-        rows, where computing them took seven eager ops (~0.1 ms of a one-row CPU step)."""
+        rows, where computing them took seven eager ops, a share of a one-row CPU step."""
         positions = torch.arange(max_len, device=self.inv_freq.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         self.rope_cos, self.rope_sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
@@ -256,10 +259,8 @@ class Transformer(nn.Module):
             if type(module) is Linear:
                 module.pack()
 
-    def allocate_kv_cache(
-        self, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype
-    ) -> None:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
         for layer in self.layers:
-            layer.attention.k_cache, layer.attention.v_cache = new_kv_cache(
-                num_blocks, block_size, self.split.kv_heads, self.args.head_dim, device, dtype
+            layer.attention.k_cache, layer.attention.v_cache = self.attention_backend.new_kv_cache(
+                num_blocks, block_size, self.split.kv_heads, self.args.head_dim, dtype
             )

@@ -1,11 +1,14 @@
 """Every compile decision of kiln, in one place: what is compiled and how, the flags Dynamo and Inductor
 trace with, the kernels the model uses compiled or eager, and the step shapes the warm-up runs.
 
+Each kind of step has a plan (compiled/plan.py), passed into the model's forward, which the graphs
+specialise on: decode of one sequence (every Linear a matrix-vector reduction), of a few (the same
+reductions per row, for half-precision or quantized weights, or matmuls on the weights as stored) and of
+more (oneDNN on packed weights), and steps with chunks.
 CPU: each TransformerBlock compiles with dynamic shapes; all layers share one Dynamo cache entry (same
-code, weights are graph inputs), so a whole step costs a few graphs: decode of one sequence (Linear is a
-matrix-vector reduction there), of a few (the same reductions per row, for half-precision or quantized
-weights) and of more, and steps with chunks. Decode layers then run guard-free
-(compiled/guard_free.py). Per-layer graphs against one whole-model graph: BENCHMARKS.md.
+code, weights are graph inputs), so a whole step costs a graph per plan, and one compiled layer serves
+every layer where a whole-model graph would take minutes to compile. Decode layers then run guard-free
+(compiled/guard_free.py).
 CUDA: decode-only steps (padded to a bucket, the block table to a width class) run the whole model under
 mode="reduce-overhead" (CUDA graphs); steps with multi-token chunks use the per-layer graphs. Shapes are
 left to automatic dynamic: the first shape compiles static, the next ones graphs with a symbolic batch and
@@ -43,11 +46,11 @@ WARMUP_CONTEXT = 512
 # weight once for all rows: past it, de-quantizing for the matmul costs less than the rows' unpacking.
 FEW_QUANTIZED_ROWS = 8
 # bfloat16 decode steps of up to this many rows take the one-row reduction as well (CPU): oneDNN's
-# matmuls of 2-4 rows ran 1.3-2.3x slower; float32's MKL ones did not. On weights packed for oneDNN
-# (Linear.pack) 4 rows run faster as a matmul, 2 still slower (BENCHMARKS.md).
+# matmuls of 2-4 rows ran slower; float32's MKL ones did not. On weights packed for oneDNN (Linear.pack)
+# 4 rows run faster as a matmul, 2 still slower.
 FEW_HALF_ROWS, FEW_HALF_ROWS_PACKED = 4, 2
 # float32 decode steps of up to this many rows keep MKL's matmul on the weight as stored: at 2 rows it
-# ran 1.6x faster than oneDNN's on the packed copy, from 4 rows on slower.
+# ran faster than oneDNN's on the packed copy, from 4 rows on slower.
 FEW_FLOAT_ROWS_UNPACKED = 2
 # CUDA-graph trees run a new shape eagerly, record it on its second call and replay it from the third.
 CUDA_GRAPH_RUNS = 3
@@ -59,8 +62,8 @@ DYNAMO_FLAGS = dict(
     record_runtime_overhead=False,  # Dynamo's bytecode would time every call, for logs kiln does not read
 )
 FX_FLAGS = dict(use_duck_shape=False)  # sizes equal when traced must not be assumed equal
-# Inductor's module checks each input's sizes and strides on every call (~20 a layer, ~0.5 ms of a
-# one-row step); Dynamo's guards check them already, and guard-free calls are verified (guard_free.py).
+# Inductor's module checks each input's sizes and strides on every call, a share of a one-row step;
+# Dynamo's guards check them already, and guard-free calls are verified (guard_free.py).
 INDUCTOR_FLAGS = {"size_asserts": False}
 
 
@@ -81,8 +84,8 @@ def _known(config: object, values: dict) -> dict:
 
 
 # A product and the sum it feeds as one fused multiply-add: Inductor's C++ is compiled without
-# contraction, and decode attention's loops (a multiply and an add per loaded K/V value) run ~1.3x faster
-# with it from cache, with one rounding instead of two (BENCHMARKS.md).
+# contraction, and decode attention's loops (a multiply and an add per loaded K/V value) run faster with
+# it from cache, with one rounding instead of two.
 _CONTRACT = _known(torch._inductor.config.cpp, {"enable_floating_point_contract_flag": "fast"})
 CPU_CONTRACT = {f"cpp.{name}": value for name, value in _CONTRACT.items()}
 
@@ -100,7 +103,7 @@ _isa_probe: threading.Thread | None = None
 
 def probe_vector_isa() -> threading.Thread:
     """Before its first CPU kernel Inductor builds and loads a test program for each vector ISA the CPU
-    names (~3 s each with a cold cache, then cached beside the kernels). Started once per process, as
+    names (seconds each with a cold cache, then cached beside the kernels). Started once per process, as
     early as the engine core can, on a core start-up leaves idle; join it before compiling, or the first
     compile builds them again."""
     global _isa_probe
@@ -120,7 +123,7 @@ def probe_vector_isa() -> threading.Thread:
 
 def _probe_isas(cpu_vec_isa: types.ModuleType) -> None:
     """Each candidate ISA's test build at once (Inductor caches each verdict), then the list Inductor
-    asks for: one after another they cost the sum (~9 s on AVX-512 CPUs, three candidates). Off x86 the
+    asks for: one after another they cost the sum. Off x86 the
     flag check names none, and the list probes alone."""
     flags = cpu_vec_isa.x86_isa_checker()
     candidates = [
@@ -174,7 +177,7 @@ class CompilePolicy:
         else:  # the LM head too: one more weight stream per step
             model.output.compile(dynamic=True, fullgraph=True, options={**options})
         if device.type == "cpu" and guard_free.supported():
-            # The step's eager ends, compiled: each cost ~0.1 ms of a one-row step (a dozen eager ops).
+            # The step's eager ends, compiled: each is a dozen eager ops, a share of a one-row step.
             embed, norm = (
                 _GuardFreeCalls(type(m).forward, _rows_kind, options) if isinstance(m, types) else call_module
                 for m, types in ((model.tok_embeddings, quant.QuantEmbedding), (model.norm, RMSNorm))
@@ -265,7 +268,7 @@ class CompilePolicy:
     ) -> Tensor:
         """Hidden states of a step's tokens, computed as `plan` says."""
         graph = self.decode_graphs.get(plan.kind)
-        if isinstance(graph, guard_free.GuardFreeGraph):  # nothing traces: the flags would cost ~0.2 ms
+        if isinstance(graph, guard_free.GuardFreeGraph):  # nothing traces: the flags cost
             return self.model(token_ids, positions, meta, plan, self.calls._replace(block=graph))
         with flags():
             if plan.decode:
@@ -326,9 +329,9 @@ def _slice_kind(x: Tensor, *weight: object) -> tuple:
 
 class _GuardFreeCalls:
     """`fn` compiled, each kind of call (`kind` of its arguments) through the graph of the kind's first
-    call without Dynamo's guards (compiled/guard_free.py): a call through Dynamo cost ~0.1 ms, and an LM
-    head makes one a step, or one per slice. `rows_of`: the argument whose rows alone are a dynamic size
-    (None: every size)."""
+    call without Dynamo's guards (compiled/guard_free.py): a call through Dynamo costs a share of a one-row
+    step, and an LM head makes one a step, or one per slice. `rows_of`: the argument whose rows alone are
+    a dynamic size (None: every size)."""
 
     def __init__(
         self, fn: Callable, kind: Callable[..., tuple], options: dict, rows_of: int | None = None

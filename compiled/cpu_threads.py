@@ -1,10 +1,9 @@
 """How many CPU threads a step gets: the allowed cores less those other processes keep busy.
 
 A step's parallel regions end at a barrier, so one thread on a core another process holds slows every
-thread, and spinning waiters take time from it; with one of two cores taken, two threads decode at a
-quarter of their quiet speed where one thread keeps three quarters (BENCHMARKS.md). Compiled kernels
-read the count when they run, whatever it was at compile time (compile_policy.py), so a change costs
-no recompile.
+thread, and spinning waiters take time from it; with one of two cores taken, two threads decode far
+slower than one thread does. Compiled kernels read the count when they run, whatever it was at compile
+time (compile_policy.py), so a change costs no recompile.
 """
 
 from __future__ import annotations

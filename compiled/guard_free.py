@@ -2,11 +2,11 @@
 
 Every call of a compiled decode layer pays Dynamo's guard check and frame hooks, then AOTAutograd's
 runtime wrapper (version counters, grad mode, output checks) before Inductor's module runs, once per
-layer (BENCHMARKS.md: guard-free decode layers). A decode step of a given kind always runs the graph
-the warm-up compiled for that kind, so the runner looks it up once and calls it directly from then on.
-This reads Dynamo's cache entries and Inductor's compiled module, which are not public API: it is used
-only on the torch versions it was verified on (`SUPPORTED`), and each direct call path is kept only
-after a self-check on the lookup's arguments.
+layer. A decode step of a given kind always runs the graph the warm-up compiled for that kind, so the
+runner looks it up once and calls it directly from then on. This reads Dynamo's cache entries and
+Inductor's compiled module, which are not public API: it is used only on the torch versions it was
+verified on (`SUPPORTED`), and each direct call path is kept only after a self-check on the lookup's
+arguments.
 """
 
 from __future__ import annotations

@@ -4,13 +4,13 @@ kept from step to step.
 A batch-1 decode step streams every weight once. Allocated tensor by tensor, weights under 2 MiB lie on
 4 KiB pages (the allocator asks for huge pages only for larger blocks, and only when told to): the stream
 then walks a page table entry every 4 KiB. In one block advised for 2 MiB pages, a one-row product of
-a quantized layer weight ran ~10 % faster here (BENCHMARKS.md). Where the kernel gives no huge pages
-(`never` in /sys/kernel/mm/transparent_hugepage/enabled) the weights still lie side by side.
+a quantized layer weight runs faster. Where the kernel gives no huge pages (`never` in
+/sys/kernel/mm/transparent_hugepage/enabled) the weights still lie side by side.
 
 A step's large temporaries (activations of a 4096-token prefill, a batch's logits) are tens of MB. glibc
 serves blocks that large with fresh mappings, or trims the heap's top, and hands the pages back when they
-are freed, so every step faults its temporaries in and clears them again. Kept, a 4096-token prefill step
-took ~26,000 faults (its KV pages' first touch) instead of ~250,000, and ran ~10 % faster (BENCHMARKS.md).
+are freed, so every step faults its temporaries in and clears them again. Kept, a prefill step's page faults
+are little more than its KV pages' first touch, and it runs faster.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ and how a checkpoint's weights are split among the ranks.
 
 One group per engine core, so the world is the group: gloo on CPU, NCCL on CUDA, rendezvous through
 torch.distributed's environment (MASTER_ADDR, MASTER_PORT; the executor sets them, or torchrun does).
-CPU ranks on one host exchange tensors through shared memory instead (compiled/shm.py), 36x faster than
-gloo here. The all-reduces inside layers are one op in the compiled graphs (a functional collective, or
+CPU ranks on one host exchange tensors through shared memory instead (compiled/shm.py), many times faster
+than gloo. The all-reduces inside layers are one op in the compiled graphs (a functional collective, or
 the shared-memory custom op); the gathers and broadcasts around the LM head and sampler run eagerly,
 once per step.
 
@@ -86,8 +86,8 @@ def _open_shm(rank: int, size: int) -> ShmExchange | None:
     return exchange if ok.item() else None
 
 
-# A plain dispatcher op rather than torch.library.custom_op, whose Python wrapper costs ~40 µs a call
-# (~6 µs here): a decode step makes two all-reduces a layer.
+# A plain dispatcher op rather than torch.library.custom_op, whose Python wrapper adds a cost to every
+# call: a decode step makes two all-reduces a layer.
 _lib = torch.library.Library("kiln", "DEF")
 _lib.define("shm_all_reduce(Tensor x) -> Tensor")
 

@@ -26,12 +26,12 @@ from torch._inductor import inductor_prims
 
 from compiled.plan import MatmulPlan
 
-TILE = 16  # rows per tile: one AVX-512 vector of float32, two AVX2 ones (eight ran 20x slower on AVX-512)
+TILE = 16  # rows per tile: one AVX-512 vector of float32, two AVX2 ones (eight ran much slower on AVX-512)
 # Several rows de-quantize this many weight rows at a time: a slice stays in cache for its matmul, and
-# the kernel's loads stay within few pages (the LM head whole ran 5-15x slower a weight).
+# the kernel's loads stay within few pages (the LM head whole ran several times slower a weight).
 CHUNK_ROWS = 2048
 INT4_GROUP = 32
-INT8_GROUP = 64  # one scale per output channel cost 2.7 % perplexity on SmolLM2, groups of 64 none
+INT8_GROUP = 64  # one scale per output channel cost measurable perplexity, groups of 64 none
 # Inductor would store the sum over a word's fields to memory and read it back (it realises a node
 # that reads many inputs); the fused reduction reads each weight word once.
 INDUCTOR_OPTIONS = {"realize_acc_reads_threshold": 64, "realize_opcount_threshold": 1000}
@@ -149,8 +149,7 @@ class PackedWeight(nn.Module):
         # so the kernels are specialised to each weight's sizes.
         stored, mn = w.stored()
         if w.bits == 8:
-            # Bytes: masking and shifting fields out of words made the one-row product compute-bound
-            # (a layer's int8 products 1.26x slower, BENCHMARKS.md).
+            # Bytes: masking and shifting fields out of words made the one-row product compute-bound.
             self.words = nn.Parameter(_tile(stored), requires_grad=False)
         else:
             per_word = 32 // w.bits
@@ -159,7 +158,7 @@ class PackedWeight(nn.Module):
             for i in range(1, per_word):
                 words |= fields[..., i] << (w.bits * i)  # the top field wraps into the sign bit, as meant
             # Stored as float32 bit patterns and viewed as int32 inside the kernels: Inductor's CPU loads of
-            # int32 vectors go through a copy, float ones do not (a one-row product ran 2-3x faster).
+            # int32 vectors go through a copy, float ones do not.
             self.words = nn.Parameter(_tile(words).view(torch.float32), requires_grad=False)
         self.scale = nn.Parameter(_tile(w.scale.float()), requires_grad=False)
         # Symmetric formats (Q8_0, int8, Q4_0) have no min to read: the kernels compute it (Q4_0: -8
@@ -236,7 +235,7 @@ def dequantize_kn(
 ) -> Tensor:
     """Packed tiles de-quantized and transposed, [K, rows]. The kernel loops over (column, tile, lane),
     so every load and store is a whole tile row; indexed by flat (column, row) instead, Inductor
-    gathered lane by lane (10x slower)."""
+    gathered lane by lane, far slower."""
     tiles, count, lanes = words.shape
     per_word, mask = 32 // bits, (1 << bits) - 1
 
@@ -292,7 +291,7 @@ class QuantLinear(nn.Module):
 
     Inside a compiled layer the slices' products unroll into the layer's graph. The LM head has many more
     slices (24 for SmolLM2's vocabulary): the compile policy passes it `kernels` with one graph called
-    slice by slice, since unrolled they took ~20 s to compile."""
+    slice by slice, since unrolled they were slow to compile."""
 
     def __init__(self, packed: PackedWeight, bias: Tensor | None) -> None:
         super().__init__()

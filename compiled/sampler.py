@@ -108,7 +108,7 @@ def sample(logits: Tensor, m: SamplingMetadata) -> SamplerOutput:
         raw = logits.log_softmax(-1)
     if m.token_bitmask is not None:
         # Less 1e30 rather than -inf: exp gives 0 all the same, and a subtraction vectorises where CPU
-        # masked_fill does not (4x faster at 16 rows).
+        # masked_fill does not.
         logits = logits - (1 - allowed_tokens(m.token_bitmask, logits.shape[-1])) * 1e30
     if m.repetition is not None:
         logits = apply_penalties(logits, m)

@@ -1,8 +1,8 @@
 """Tensor-parallel collectives through shared memory, for ranks on one CPU host.
 
-gloo's all-reduce of one hidden state took 2.2 ms between two processes on two cores, and a decode
-step makes two per layer; writing each rank's tensor to a shared-memory slot and waiting for the others'
-took 61 µs (BENCHMARKS.md). One primitive serves all three collectives a step needs: every rank publishes
+gloo's all-reduce of one hidden state between two processes on one host is slow, and a decode step
+makes two per layer; writing each rank's tensor to a shared-memory slot and waiting for the others' is
+many times faster. One primitive serves all three collectives a step needs: every rank publishes
 its tensor and reads everyone's (an all-gather), then sums them, joins them or takes rank 0's.
 
 Layout: a header of per-rank sequence numbers, then two banks of one slot per rank. A call bumps the
@@ -73,7 +73,7 @@ class ShmExchange:
 
     def _slots(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """This rank's slot and all ranks' slots of the current bank, typed and shaped as `x`: made once
-        per shape, since a call's few tensor operations are most of its cost (a decode step makes 61)."""
+        per shape, since a call's few tensor operations are most of its cost (a decode step makes dozens)."""
         key = (self.seq % 2, x.shape, x.dtype)
         slots = self.views.get(key)
         if slots is None:

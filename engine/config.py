@@ -166,12 +166,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         """This config with its None step limits and block size filled in for its usage and the device the
         engine runs on."""
         offline = self.usage == "offline"
-        # Offline, wider decode batches finish a batch sooner (BENCHMARKS.md); serving, each step holds
-        # every running stream's next token, and a wider step holds them longer.
+        # Offline, wider decode batches finish a batch sooner; serving, each step holds every running stream's
+        # next token, and a wider step holds them longer.
         seqs = self.max_num_seqs or (256 if offline else 64)
         budget = self.max_num_batched_tokens
         if budget is None:
-            # A CPU step computes ~1000 tokens/s; serving, a burst of prompts goes in steps of 2048 (as in
+            # A CPU step is slow per prompt token; serving, a burst of prompts goes in steps of 2048 (as in
             # vLLM's CPU backend); without chunked prefill a prompt must fit one step.
             budget = (4096 if offline else 2048) if self.enable_chunked_prefill and not on_cuda else 8192
             budget = max(budget, seqs)  # room for every sequence's decode
@@ -179,7 +179,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         serving = self.usage == "serving" and self.enable_chunked_prefill
         if decoding is None:
             # Serving: a new prompt holds running streams' next tokens for a fraction of a second at
-            # most (BENCHMARKS.md, inter-token latency); offline, larger chunks finish a batch sooner.
+            # most; offline, larger chunks finish a batch sooner.
             decoding = (2048 if on_cuda else 64) if serving else 0
         overlap = on_cuda if self.async_scheduling is None else self.async_scheduling
         # On CPU the budget follows the measured step times (StepBudget), read as each step ends:
@@ -187,9 +187,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         measured = serving and self.max_num_batched_tokens_decoding is None and not on_cuda and not overlap
         return msgspec.structs.replace(
             self,
-            # CPU decode attention reads each page as one stream: 64-token pages read ~1.5x faster than
-            # 16-token ones scattered over the cache, and prefixes are still shared 64 tokens at a time
-            # (BENCHMARKS.md).
+            # CPU decode attention reads each page as one stream: 64-token pages read faster than 16-token
+            # ones scattered over the cache, and prefixes are still shared 64 tokens at a time.
             block_size=self.block_size or (16 if on_cuda else 64),
             max_num_seqs=seqs,
             max_num_batched_tokens=budget,

@@ -49,7 +49,7 @@ POLL_MS = 200  # how often a headless core waiting for input checks that its fro
 SEND_TIMEOUT_MS = 30_000
 # Prompts that arrive together (clients that started together come back together) are prefilled in full
 # steps while the streams they started are in their first tokens: a pause or two early in each of those
-# streams instead of a capped step beside them until the last prompt of the burst is in (BENCHMARKS.md).
+# streams instead of a capped step beside them until the last prompt of the burst is in.
 SETTLING_TOKENS = 3
 IDLE_WAIT_S = 0.005  # how long an empty step waits for a compiling grammar before looking for input again
 

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from compiled import guard_free, parallel, quant
+from compiled import parallel, quant
 from compiled.attention import AttentionMetadata, write_kv
 from compiled.input_batch import InputBatch
 from compiled.models.linear import PACKED_PREFILL_DTYPES, cpu_matmul_dtype
@@ -37,6 +37,13 @@ from compiled.models.llama import RMSNorm, Transformer, TransformerBlock
 from compiled.plan import OWN_CALLS, MatmulPlan, PartCalls, StepPlan, call_module
 
 logger = logging.getLogger("kiln.runner")
+
+try:  # calls past Dynamo's guards reach into torch's private API: a torch it does not know drops the file
+    from compiled import guard_free
+
+    GUARD_FREE = guard_free.supported()
+except ImportError:
+    GUARD_FREE = False
 
 WARMUP_CHUNK = 64  # tokens of the multi-token chunks the warm-up runs; graphs are dynamic in the count
 # Keys each single-query warm-up row attends to: Inductor decides which loops to spread over threads
@@ -176,7 +183,7 @@ class CompilePolicy:
             self.head = functools.partial(_quantized_head, _sliced_kernels(options))
         else:  # the LM head too: one more weight stream per step
             model.output.compile(dynamic=True, fullgraph=True, options={**options})
-        if device.type == "cpu" and guard_free.supported():
+        if device.type == "cpu" and GUARD_FREE:
             # The step's eager ends, compiled: each is a dozen eager ops, a share of a one-row step.
             embed, norm = (
                 _GuardFreeCalls(type(m).forward, _rows_kind, options) if isinstance(m, types) else call_module
@@ -189,7 +196,7 @@ class CompilePolicy:
             triton = torch._inductor.config.triton
             if hasattr(triton, "cudagraph_dynamic_shape_warn_limit"):
                 triton.cudagraph_dynamic_shape_warn_limit = None
-        elif guard_free.supported() and not (model.args.tp_size > 1 and parallel.through_gloo()):
+        elif GUARD_FREE and not (model.args.tp_size > 1 and parallel.through_gloo()):
             # Called directly, Inductor's module crashed on a functional collective (gloo): those layers
             # keep Dynamo's guarded calls. The shared-memory all-reduce is a plain custom op.
             self.decode_forward = self._decode_guard_free
@@ -267,11 +274,11 @@ class CompilePolicy:
         self, token_ids: Tensor, positions: Tensor, meta: AttentionMetadata, plan: StepPlan
     ) -> Tensor:
         """Hidden states of a step's tokens, computed as `plan` says."""
-        graph = self.decode_graphs.get(plan.kind)
-        if isinstance(graph, guard_free.GuardFreeGraph):  # nothing traces: the flags cost
-            return self.model(token_ids, positions, meta, plan, self.calls._replace(block=graph))
+        block = self.decode_graphs.get(plan.kind)
+        if block is not None and block is not call_module:  # guard-free: nothing traces, no flags needed
+            return self.model(token_ids, positions, meta, plan, self.calls._replace(block=block))
         with flags():
-            if plan.decode:
+            if block is None and plan.decode:
                 return self.decode_forward(token_ids, positions, meta, plan)
             return self.model(token_ids, positions, meta, plan, self.calls)
 
@@ -338,7 +345,7 @@ class _GuardFreeCalls:
     ) -> None:
         self.fn, self.kind, self.rows_of = fn, kind, rows_of
         self.compiled = torch.compile(fn, dynamic=rows_of is None, fullgraph=True, options={**options})
-        self.graphs: dict[tuple, guard_free.GuardFreeGraph] = {}
+        self.graphs: dict[tuple, Callable] = {}
 
     def __call__(self, *args: object) -> Tensor:
         kind = self.kind(*args)
@@ -348,7 +355,7 @@ class _GuardFreeCalls:
         if self.rows_of is not None:
             torch._dynamo.mark_dynamic(args[self.rows_of], 0)
         y = self.compiled(*args)
-        graph = guard_free.GuardFreeGraph.lookup(self.fn, *args) if guard_free.supported() else None
+        graph = guard_free.GuardFreeGraph.lookup(self.fn, *args) if GUARD_FREE else None
         if graph is not None:
             graph.go_direct(lambda wrapped, direct: torch.allclose(wrapped(*args), direct(*args)))
             self.graphs[kind] = graph

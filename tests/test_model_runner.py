@@ -369,10 +369,14 @@ def test_decode_buckets():
     assert decode_buckets(3) == [1, 2, 3]
 
 
-@pytest.mark.parametrize("fallback", ["dynamo compiled no graph", "inductor's module disagrees"])
+@pytest.mark.parametrize(
+    "fallback", ["dynamo compiled no graph", "inductor's module disagrees", "no guard-free calls"]
+)
 def test_decode_falls_back_to_the_wrapped_calls(fallback, tiny_llama, monkeypatch, caplog):
     if fallback == "dynamo compiled no graph":
         monkeypatch.setattr(GuardFreeGraph, "lookup", classmethod(lambda cls, fn, *args: None))
+    elif fallback == "no guard-free calls":  # as on a torch that compiled/guard_free.py does not know
+        monkeypatch.setattr(compile_policy, "GUARD_FREE", False)
     else:
         monkeypatch.setattr(guard_free, "_inductor_module", lambda compiled_fn: lambda *args: torch.zeros(1))
     runner = build_runner(tiny_llama, dtype="float32", max_num_seqs=4, num_kv_blocks=64)
@@ -384,7 +388,9 @@ def test_decode_falls_back_to_the_wrapped_calls(fallback, tiny_llama, monkeypatc
     assert len(drv.reqs["a"]["out"]) == 3
     if fallback == "dynamo compiled no graph":
         assert runner.policy.decode_graphs == {"one": call_module}
-        assert "keep Dynamo's guarded calls" in caplog.text
+        assert caplog.text.count("keep Dynamo's guarded calls") == 1  # looked up once, not every step
+    elif fallback == "no guard-free calls":
+        assert runner.policy.decode_graphs == {} and runner.policy.calls == PartCalls()
     else:
         assert [g.direct for g in runner.policy.decode_graphs.values()] == [False]
         assert "keep AOTAutograd's runtime wrapper" in caplog.text

@@ -76,15 +76,24 @@ def gather_values(v_cache: Tensor, block_tables: Tensor) -> Tensor:
     return v_cache[block_tables].permute(0, 2, 1, 4, 3, 5).reshape(B, Hkv, W * bs, n * c)
 
 
-def _decode_setup(q: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor):
+def _decode_setup(q: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, window: int):
     B, H, D = q.shape
     W, (Hkv, bs) = block_tables.shape[1], v_cache.shape[1:4:2]
-    valid = (torch.arange(W * bs, device=q.device)[None, :] < seq_lens[:, None]).view(B, W, bs)
-    return q.view(B, Hkv, H // Hkv, D), valid  # the GQA group folded next to its KV head
+    pos = torch.arange(W * bs, device=q.device)[None, :]
+    valid = pos < seq_lens[:, None]
+    if window:
+        valid &= pos >= seq_lens[:, None] - window
+    return q.view(B, Hkv, H // Hkv, D), valid.view(B, W, bs)  # the GQA group folded next to its KV head
 
 
 def decode_attention_reduction(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    window: int = 0,
 ) -> Tensor:
     """One query per row, q [B, H, D] -> [B, H, D], as reductions over the pages in place: compiled,
     Inductor fuses the indirect loads into them and never materialises the gathered K/V (eagerly this
@@ -93,7 +102,7 @@ def decode_attention_reduction(
     # q in a buffer of its own: Inductor would otherwise inline its producer (RoPE over the projection's
     # transposed output) into the score loop and compute it again for every page.
     q = inductor_prims.force_stride_order(q, (H * D, D, 1))
-    q, valid = _decode_setup(q, v_cache, block_tables, seq_lens)
+    q, valid = _decode_setup(q, v_cache, block_tables, seq_lens, window)
     Hkv, G, bs = q.shape[1], q.shape[2], v_cache.shape[3]
     W = block_tables.shape[1]
     k = k_cache[block_tables].float()  # [B, W, Hkv, bs/c, D, c]
@@ -111,11 +120,17 @@ def decode_attention_reduction(
 
 
 def decode_attention_matmul(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    window: int = 0,
 ) -> Tensor:
     """The same as `decode_attention_reduction`, over gathered K/V with matmuls: the eager formulation."""
     B, H, D = q.shape
-    q, valid = _decode_setup(q, v_cache, block_tables, seq_lens)
+    q, valid = _decode_setup(q, v_cache, block_tables, seq_lens, window)
     k = gather_keys(k_cache, block_tables)  # [B, Hkv, L, D]
     v = gather_values(v_cache, block_tables).masked_fill_(~valid.view(B, 1, -1, 1), 0.0)  # a fresh copy
     scores = torch.einsum("bhgd,bhld->bhgl", q.float(), k.float()) * scale
@@ -161,9 +176,10 @@ class AttentionBackend:
         v_cache: Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int,
     ) -> Tensor:
         """The step's multi-token chunks, after their K/V [T, Hkv, D] were written: q [T, H, D] (the whole
-        step) -> [T - Bd, H, D]."""
+        step) -> [T - Bd, H, D], each query attending to the `window` keys up to its own (0: all before)."""
         raise NotImplementedError
 
 
@@ -187,14 +203,17 @@ def paged_attention(
     scale: float,
     backend: AttentionBackend,
     decode: str = "matmul",
+    window: int = 0,
 ) -> Tensor:
     """Attention for a packed step, after its K/V [T, Hkv, D] were written: q [T, H, D] -> [T, H, D];
-    its single-query rows through `DECODE_ATTENTION[decode]`, its chunks through the backend."""
+    its single-query rows through `DECODE_ATTENTION[decode]`, its chunks through the backend. Each query
+    attends to the `window` keys up to its own (0: to every key before it)."""
     Bd = meta.decode_block_tables.shape[0]
     parts = []
     if Bd > 0:
         attend = DECODE_ATTENTION[decode]
-        parts.append(attend(q[:Bd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale))
+        tables, lens = meta.decode_block_tables, meta.decode_seq_lens
+        parts.append(attend(q[:Bd], k_cache, v_cache, tables, lens, scale, window))
     if meta.prefill_block_tables.shape[0] > 0:
-        parts.append(backend.prefill(q, k, v, k_cache, v_cache, meta, scale))
+        parts.append(backend.prefill(q, k, v, k_cache, v_cache, meta, scale, window))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

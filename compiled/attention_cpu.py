@@ -33,10 +33,11 @@ class CpuAttention(AttentionBackend):
         v_cache: Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int,
     ) -> Tensor:
-        Bd = meta.decode_block_tables.shape[0]
+        Bd, tables, chunks = meta.decode_block_tables.shape[0], meta.prefill_block_tables, meta.prefill_chunks
         return torch.ops.kiln.prefill_attention_chunks(
-            q[Bd:], k[Bd:], v[Bd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_chunks, scale
+            q[Bd:], k[Bd:], v[Bd:], k_cache, v_cache, tables, chunks, scale, window
         )
 
 
@@ -63,13 +64,14 @@ def prefill_attention_chunks(
     block_tables: Tensor,
     chunks: Tensor,
     scale: float,
+    window: int = 0,
 ) -> Tensor:
     """Multi-token chunks: q [N, H, D] holds their queries chunk after chunk and k, v [N, Hkv, D] their keys
     and values, `chunks` [P, 2] each one's first position and query count (`block_tables` [P, W]);
-    -> [N, H, D]. No chunk pays for another's length, as each would in one padded batch (several times
-    the work for prompts of mixed lengths): a step's fresh prompts run together tile by tile
-    (`_fresh_prompts`) on the step's own K/V; a lone one, and every chunk after context, alone through
-    SDPA over its pages."""
+    -> [N, H, D], each query attending to the `window` keys up to its own (0: every key before it).
+    No chunk pays for another's length, as each would in one padded batch (several times the work for
+    prompts of mixed lengths): a step's fresh prompts run together tile by tile (`_fresh_prompts`) on the
+    step's own K/V; a lone one, and every chunk after context, alone through SDPA over its pages."""
     bs = v_cache.shape[3]
     spans = chunks.tolist()
     firsts = [0, *itertools.accumulate(n for _, n in spans)]
@@ -77,7 +79,8 @@ def prefill_attention_chunks(
     fresh = sorted((i for i, (start, n) in enumerate(spans) if start == 0 and n), key=lambda i: -spans[i][1])
     together = fresh if len(fresh) > 1 else []
     if together:
-        out = _fresh_prompts(q, k, v, [firsts[i] for i in together], [spans[i][1] for i in together], scale)
+        starts, lens = [firsts[i] for i in together], [spans[i][1] for i in together]
+        out = _fresh_prompts(q, k, v, starts, lens, scale, window)
     else:
         out = torch.empty_like(q)
     for i, (start, n) in enumerate(spans):
@@ -88,10 +91,10 @@ def prefill_attention_chunks(
         k = gather_keys(k_cache, table)[:, :, :end]  # [1, Hkv, end, D]: every slot written
         v = gather_values(v_cache, table)[:, :, :end]
         qi = q[firsts[i] : firsts[i] + n].transpose(0, 1)[None]  # [1, H, n, D]
-        if start == 0:
+        if start == 0 and not window:
             o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            mask = torch.arange(end, device=q.device) <= torch.arange(start, end, device=q.device)[:, None]
+            mask = _visible(torch.arange(start, end, device=q.device), end, window)
             o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[firsts[i] : firsts[i] + n] = o[0].transpose(0, 1)
     return out
@@ -118,8 +121,15 @@ def causal_tile(lens: list[int]) -> int:
     return min(CAUSAL_TILES, key=cost)
 
 
+def _visible(query_pos: Tensor, keys: int, window: int) -> Tensor:
+    """[Q, keys]: which of the first `keys` positions each query position attends to."""
+    key_pos = torch.arange(keys, device=query_pos.device)
+    visible = key_pos <= query_pos[:, None]
+    return visible & (key_pos > query_pos[:, None] - window) if window else visible
+
+
 def _fresh_prompts(
-    q: Tensor, k: Tensor, v: Tensor, starts: list[int], lens: list[int], scale: float
+    q: Tensor, k: Tensor, v: Tensor, starts: list[int], lens: list[int], scale: float, window: int = 0
 ) -> Tensor:
     """Fresh prompts, longest first: prompt b's queries, keys and values are rows
     [starts[b], starts[b] + lens[b]) of q [N, H, D] and k, v [N, Hkv, D] -> [N, H, D], whose rows outside
@@ -148,17 +158,18 @@ def _fresh_prompts(
     keys_t = keys_t.view(B * Hkv, D, padded)
     values = v[source].view(B, padded, Hkv, D).transpose(1, 2).reshape(B * Hkv, padded, D)
     out = q.new_empty(B, padded, H, D)
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).triu_(1)
     for a in range(0, padded, T):
         n = sum(length > a for length in lens)  # the prompts this tile has rows of: the first n
         e = min(a + T, longest)  # keys past every prompt's end need not be read
-        bias = torch.zeros(T, e, device=q.device)
-        bias[:, a:].masked_fill_(causal[:, : e - a], float("-inf"))
-        bias = bias[:, None].expand(T, G, e).reshape(T * G, e)
+        s = max(0, a + 1 - window) if window else 0  # nor keys before the tile's first window
+        rows = torch.arange(a, a + T, device=q.device)
+        bias = torch.zeros(T, e - s, device=q.device)
+        bias.masked_fill_(~_visible(rows, e, window)[:, s:], float("-inf"))
+        bias = bias[:, None].expand(T, G, e - s).reshape(T * G, e - s)
         tile = queries[:n, :, a : a + T].reshape(n * Hkv, T * G, D)  # a view: (query, head of the group)
-        scores = torch.baddbmm(bias, tile, keys_t[: n * Hkv, :, :e], alpha=scale)
+        scores = torch.baddbmm(bias, tile, keys_t[: n * Hkv, :, s:e], alpha=scale)
         probs = torch.softmax(scores, -1).to(v.dtype)
-        o = torch.bmm(probs, values[: n * Hkv, :e])  # [n * Hkv, T * G, D]
+        o = torch.bmm(probs, values[: n * Hkv, s:e])  # [n * Hkv, T * G, D]
         out[:n, a : a + T] = o.view(n, Hkv, T, G, D).transpose(1, 2).reshape(n, T, H, D)
     real = (step < lens_t).view(-1)
     rows = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)  # the padded row of each step row
@@ -170,7 +181,7 @@ def _fresh_prompts(
 _lib = torch.library.Library("kiln", "FRAGMENT")
 _lib.define(
     "prefill_attention_chunks(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, "
-    "Tensor block_tables, Tensor chunks, float scale) -> Tensor"
+    "Tensor block_tables, Tensor chunks, float scale, int window=0) -> Tensor"
 )
 _lib.impl("prefill_attention_chunks", prefill_attention_chunks, "CPU")
 

@@ -29,8 +29,9 @@ class CudaAttention(AttentionBackend):
         v_cache: Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int,
     ) -> Tensor:
-        return prefill_attention(q, k_cache, v_cache, meta, scale, expand_kv=True)
+        return prefill_attention(q, k_cache, v_cache, meta, scale, expand_kv=True, window=window)
 
 
 def prefill_attention(
@@ -40,6 +41,7 @@ def prefill_attention(
     meta: AttentionMetadata,
     scale: float,
     expand_kv: bool,
+    window: int = 0,
 ) -> Tensor:
     """Multi-token chunks as one padded batch: q [T, H, D] (the whole step) -> [T - Bd, H, D] for the chunk
     tokens.
@@ -50,7 +52,10 @@ def prefill_attention(
     v = gather_values(v_cache, meta.prefill_block_tables)
     qp = q[meta.prefill_query_index].transpose(1, 2)  # [P, H, Qp, D]
     key_pos = torch.arange(k.shape[2], device=q.device)
-    mask = key_pos[None, None, None, :] <= meta.prefill_query_pos[:, None, :, None]  # [P, 1, Qp, L]
+    query_pos = meta.prefill_query_pos[:, None, :, None]
+    mask = key_pos <= query_pos  # [P, 1, Qp, L]
+    if window:  # each query attends to the `window` keys up to its own
+        mask &= key_pos > query_pos - window
     # Unwritten slots may hold anything, NaN included: a masked score still meets them.
     written = (key_pos[None, :] <= meta.prefill_query_pos.amax(1)[:, None])[:, None, :, None]  # [P, 1, L, 1]
     k, v = torch.where(written, k, 0.0), torch.where(written, v, 0.0)

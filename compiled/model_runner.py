@@ -68,7 +68,7 @@ class ModelRunner:
         )
         args = self.model.args
         self.vocab_size = args.vocab_size
-        limit = min(args.max_position_embeddings, args.sliding_window or args.max_position_embeddings)
+        limit = args.max_position_embeddings
         if config.max_model_len and config.max_model_len > limit:
             raise ValueError(
                 f"max_model_len={config.max_model_len} exceeds the model's limit of {limit} tokens"

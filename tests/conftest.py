@@ -39,7 +39,8 @@ def make_tiny_model(path, kind: str = "llama") -> str:
         }
         model = LlamaForCausalLM(LlamaConfig(**TINY, rope_parameters=rope, tie_word_embeddings=True))
     elif kind == "mistral":
-        model = MistralForCausalLM(MistralConfig(**TINY, sliding_window=None, tie_word_embeddings=False))
+        # A window shorter than the tests' prompts: each query attends to its 12 latest keys only.
+        model = MistralForCausalLM(MistralConfig(**TINY, sliding_window=12, tie_word_embeddings=False))
     elif kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=True))
     elif kind == "qwen3":

@@ -23,6 +23,7 @@ from server.bench.driver import (
     greedy_mismatches,
     hf_greedy,
 )
+from tests.conftest import make_tiny_model
 
 
 def hf_model(path):
@@ -97,6 +98,19 @@ def check_packed_step(
 
 def test_packed_step_logits_match_transformers(tiny_model):
     check_packed_step(tiny_model, vocab=320)
+
+
+def test_a_sliding_window_matches_transformers_past_the_window(tmp_path):
+    """Mistral's window of 12 keys, compiled: prompts prefill together tile by tile and in chunks after
+    context, then decode far past the window; greedy tokens as transformers' in float32."""
+    path = make_tiny_model(tmp_path, "mistral")
+    runner = build_runner(path, dtype="float32", max_num_seqs=4, num_kv_blocks=64, block_size=16)
+    runner.initialize_kv_cache(64)
+    poison_kv_cache(runner)
+    assert [layer.attention.window for layer in runner.model.layers] == [12, 12]
+    torch.manual_seed(3)
+    prompts = [torch.randint(0, 320, (n,)).tolist() for n in (45, 9, 30, 17)]
+    assert greedy_mismatches(runner, hf_model(path), prompts, batch_tokens=24, tail_tokens=48, chunk=20) == []
 
 
 def test_bfloat16_decode_matches_transformers(tiny_llama):

@@ -41,9 +41,8 @@ class ModelArgs:
     o_bias: bool = False
     qk_norm: bool = False
     tie_word_embeddings: bool = False
-    # Mistral-style local attention; sequences no longer than the window attend fully, so the runner
-    # caps the context there rather than implementing the window.
-    sliding_window: int | None = None
+    # Each layer's sliding window: the keys a query attends to, itself included (0: the whole context).
+    windows: tuple[int, ...] = ()
     tp_rank: int = 0  # tensor parallelism: this process's part of every weight (compiled/parallel.py)
     tp_size: int = 1
 
@@ -75,11 +74,18 @@ class ModelArgs:
             o_bias=bias,
             qk_norm=model_type == "qwen3",
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            sliding_window=window
-            if (window := getattr(config, "sliding_window", None))
-            and (model_type == "mistral" or getattr(config, "use_sliding_window", False))
-            else None,
+            windows=_windows(config),
         )
+
+
+def _windows(config: Any) -> tuple[int, ...]:
+    """Each layer's sliding window as the config names it: every layer's (Mistral, Phi-3) unless it lists
+    which layers slide (`layer_types`: Qwen2's `use_sliding_window`, Gemma's alternation)."""
+    window = getattr(config, "sliding_window", None) or 0
+    types = getattr(config, "layer_types", None)
+    if types:
+        return tuple(window if t == "sliding_attention" else 0 for t in types)
+    return (window,) * config.num_hidden_layers
 
 
 def rope_inv_freq(args: ModelArgs) -> Tensor:
@@ -127,9 +133,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, backend: AttentionBackend) -> None:
+    def __init__(self, args: ModelArgs, backend: AttentionBackend, window: int) -> None:
         super().__init__()
-        self.backend = backend
+        self.backend, self.window = backend, window
         split = parallel.Split.of(args)
         self.n_heads, self.n_kv_heads, self.head_dim = split.heads, split.kv_heads, args.head_dim
         self.tensor_parallel = args.tp_size > 1
@@ -158,7 +164,7 @@ class Attention(nn.Module):
         write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
         scale = self.head_dim**-0.5
         out = paged_attention(
-            q, k, v, self.k_cache, self.v_cache, meta, scale, self.backend, plan.decode_attention
+            q, k, v, self.k_cache, self.v_cache, meta, scale, self.backend, plan.decode_attention, self.window
         )
         out = out.reshape(T, q_size)
         if self.tensor_parallel:  # each rank's partial sum first, the residual once
@@ -184,10 +190,10 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, attention: AttentionBackend) -> None:
+    def __init__(self, args: ModelArgs, attention: AttentionBackend, window: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args, attention)
+        self.attention = Attention(args, attention, window)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
@@ -203,7 +209,8 @@ class Transformer(nn.Module):
         self.args, self.attention_backend = args, attention
         self.split = parallel.Split.of(args)
         self.tok_embeddings = nn.Embedding(self.split.vocab, args.dim)  # this rank's rows of the vocabulary
-        self.layers = nn.ModuleList(TransformerBlock(args, attention) for _ in range(args.n_layers))
+        windows = args.windows or (0,) * args.n_layers
+        self.layers = nn.ModuleList(TransformerBlock(args, attention, w) for w in windows)
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = Linear(args.dim, self.split.vocab, bias=False)
         if args.tie_word_embeddings:

@@ -5,7 +5,7 @@ Each kind of step has a plan (compiled/plan.py), passed into the model's forward
 specialise on: decode of one sequence (every Linear a matrix-vector reduction), of a few (the same
 reductions per row, for half-precision or quantized weights, or matmuls on the weights as stored) and of
 more (oneDNN on packed weights), and steps with chunks.
-CPU: each TransformerBlock compiles with dynamic shapes; all layers share one Dynamo cache entry (same
+CPU: each layer compiles with dynamic shapes; all layers share one Dynamo cache entry (same
 code, weights are graph inputs), so a whole step costs a graph per plan, and one compiled layer serves
 every layer where a whole-model graph would take minutes to compile. Decode layers then run guard-free
 (compiled/guard_free.py).
@@ -33,7 +33,6 @@ from compiled import parallel, quant
 from compiled.attention import AttentionMetadata, write_kv
 from compiled.input_batch import InputBatch
 from compiled.models.linear import PACKED_PREFILL_DTYPES, cpu_matmul_dtype
-from compiled.models.llama import RMSNorm, Transformer, TransformerBlock
 from compiled.plan import OWN_CALLS, MatmulPlan, PartCalls, StepPlan, call_module
 
 logger = logging.getLogger("kiln.runner")
@@ -160,7 +159,7 @@ class CompilePolicy:
     """How one model runs: the plan of each kind of step, what is compiled, and how each step is called."""
 
     def __init__(
-        self, model: Transformer, device: torch.device, enforce_eager: bool, dtype: torch.dtype
+        self, model: nn.Module, device: torch.device, enforce_eager: bool, dtype: torch.dtype
     ) -> None:
         self.model, self.device, self.eager = model, device, enforce_eager
         self.decode_forward: Callable[..., Tensor] = model.forward
@@ -184,12 +183,15 @@ class CompilePolicy:
         else:  # the LM head too: one more weight stream per step
             model.output.compile(dynamic=True, fullgraph=True, options={**options})
         if device.type == "cpu" and GUARD_FREE:
-            # The step's eager ends, compiled: each is a dozen eager ops, a share of a one-row step.
-            embed, norm = (
-                _GuardFreeCalls(type(m).forward, _rows_kind, options) if isinstance(m, types) else call_module
-                for m, types in ((model.tok_embeddings, quant.QuantEmbedding), (model.norm, RMSNorm))
+            # The step's eager ends, compiled: each is a dozen eager ops, a share of a one-row step (a
+            # plain embedding is one op).
+            embed, norm = model.tok_embeddings, model.norm
+            self.calls = PartCalls(
+                embed=_GuardFreeCalls(type(embed).forward, _rows_kind, options)
+                if isinstance(embed, quant.QuantEmbedding)
+                else call_module,
+                norm=_GuardFreeCalls(type(norm).forward, _rows_kind, options),
             )
-            self.calls = PartCalls(embed=embed, norm=norm)
         if device.type == "cuda":
             self.decode_forward = torch.compile(model.forward, **CUDA_DECODE)
             # Every (bucket, width) pair is a graph recorded on purpose: no warning past the eighth.
@@ -293,12 +295,12 @@ class CompilePolicy:
         The first decode step of a kind (in the warm-up) runs through Dynamo and looks the graph up."""
         seen: list[tuple] = []
 
-        def block(layer: TransformerBlock, *args: object) -> Tensor:
+        def block(layer: nn.Module, *args: object) -> Tensor:
             seen.append((layer, *args))
             return layer(*args)
 
         hidden = self.model(token_ids, positions, meta, plan, self.calls._replace(block=block))
-        graph = guard_free.GuardFreeGraph.lookup(TransformerBlock.forward, *seen[-1])
+        graph = guard_free.GuardFreeGraph.lookup(type(seen[-1][0]).forward, *seen[-1])
         if graph is None:
             logger.warning(
                 "decode steps of %s rows keep Dynamo's guarded calls: it compiled no graph for them",
@@ -365,7 +367,7 @@ class _GuardFreeCalls:
 def _same_layer_step(
     wrapped: Callable,
     direct: Callable,
-    layer: TransformerBlock,
+    layer: nn.Module,
     h: Tensor,
     cos: Tensor,
     sin: Tensor,

@@ -21,23 +21,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from compiled.models.family import ModelFamily, family_of, renamed
 from compiled.models.llama import ModelArgs
 from compiled.quant import GGUF_BLOCK, Quantized, from_gguf
 
 logger = logging.getLogger("kiln.loader")
-
-_GGUF_NAMES = [  # GGUF tensor name -> HF's
-    (r"^token_embd\.", "model.embed_tokens."),
-    (r"^output_norm\.", "model.norm."),
-    (r"^output\.", "lm_head."),
-    (r"^blk\.(\d+)\.attn_norm\.", r"model.layers.\1.input_layernorm."),
-    (r"^blk\.(\d+)\.ffn_norm\.", r"model.layers.\1.post_attention_layernorm."),
-    (r"^blk\.(\d+)\.attn_(q|k|v)\.", r"model.layers.\1.self_attn.\2_proj."),
-    (r"^blk\.(\d+)\.attn_output\.", r"model.layers.\1.self_attn.o_proj."),
-    (r"^blk\.(\d+)\.attn_(q|k)_norm\.", r"model.layers.\1.self_attn.\2_norm."),
-    (r"^blk\.(\d+)\.ffn_(gate|up|down)\.", r"model.layers.\1.mlp.\2_proj."),
-]
-
 
 _GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _GGUF_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 30: "BF16"}
@@ -101,23 +89,19 @@ def gguf_tensors(path: str) -> tuple[dict, list[tuple[str, str, int, list[int], 
     return meta, tensors
 
 
-def _hf_name(gguf_name: str) -> str:
-    for pattern, repl in _GGUF_NAMES:
-        name, n = re.subn(pattern, repl, gguf_name)
-        if n:
-            return name
-    return gguf_name
-
-
 def _weights(
-    arch: str, tensors: Iterable, args: ModelArgs
+    arch: str, tensors: Iterable, args: ModelArgs, family: ModelFamily
 ) -> Iterator[tuple[str, str, torch.Tensor | Quantized]]:
     """(HF name, GGUF type, value) of each tensor: Q4_0, Q4_1 and Q8_0 blocks as they are, other block
     types de-quantized, float tensors as float32."""
+    if family.gguf_names is None:
+        raise ValueError(
+            f"kiln reads no GGUF file of {family.model_types[0]} models; convert it to safetensors"
+        )
     for gguf_name, kind, kind_id, shape, raw in tensors:
         if gguf_name == "rope_freqs.weight":  # Llama 3's RoPE scaling, which the config also gives
             continue
-        name = _hf_name(gguf_name)
+        name = renamed(gguf_name, family.gguf_names) or gguf_name
         cols, rows = int(shape[0]), int(np.prod(shape[1:]))
         if kind in GGUF_BLOCK and len(shape) == 2:
             value: torch.Tensor | Quantized = from_gguf(
@@ -134,13 +118,13 @@ def _weights(
         yield name, kind, value
 
 
-def read_gguf(path: str, args: ModelArgs) -> dict[str, torch.Tensor | Quantized]:
+def read_gguf(path: str, args: ModelArgs, family: ModelFamily) -> dict[str, torch.Tensor | Quantized]:
     """A GGUF file's tensors under HF names: Q4_0, Q4_1 and Q8_0 blocks kept as they are, other block
     types de-quantized (logged), float tensors as float32."""
     meta, tensors = gguf_tensors(path)
     state: dict[str, torch.Tensor | Quantized] = {}
     fallback: dict[str, list[str]] = {}
-    for name, kind, value in _weights(str(meta.get("general.architecture", "")), tensors, args):
+    for name, kind, value in _weights(str(meta.get("general.architecture", "")), tensors, args, family):
         state[name] = value
         if not isinstance(value, Quantized) and kind not in _FLOATS:
             fallback.setdefault(kind, []).append(name)
@@ -201,11 +185,11 @@ def convert_gguf(path: str, target: str) -> None:
     logger.info("de-quantizing %s (first start only)", path)
     meta, tensors = gguf_tensors(path)
     config = _hf_config(meta, [t[0] for t in tensors])
-    args = ModelArgs.from_hf_config(config)
+    family, args = family_of(config), ModelArgs.from_hf_config(config)
     bar = tqdm(tensors, desc=f"de-quantizing {os.path.basename(path)}", unit="tensor", disable=None)
     state = {
         name: value.dequantize() if isinstance(value, Quantized) else value
-        for name, _, value in _weights(str(meta["general.architecture"]), bar, args)
+        for name, _, value in _weights(str(meta["general.architecture"]), bar, args, family)
     }
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)

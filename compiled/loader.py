@@ -18,6 +18,7 @@ from transformers import AutoConfig
 
 from compiled.attention import backend_for
 from compiled.gguf import read_gguf
+from compiled.models.family import ModelFamily, family_of, renamed
 from compiled.models.linear import CPU_HAS_FAST_BF16, Linear
 from compiled.models.llama import ModelArgs, Transformer, rope_inv_freq
 from compiled.parallel import Split
@@ -53,32 +54,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return torch.bfloat16 if CPU_HAS_FAST_BF16 else torch.float32
 
 
-# HF parameter name -> ours; q/k/v and gate/up are fused on load.
-_RENAMES = [
-    (r"^model\.embed_tokens\.", "tok_embeddings."),
-    (r"^model\.norm\.", "norm."),
-    (r"^lm_head\.", "output."),
-    (r"^model\.layers\.(\d+)\.input_layernorm\.", r"layers.\1.attention_norm."),
-    (r"^model\.layers\.(\d+)\.post_attention_layernorm\.", r"layers.\1.ffn_norm."),
-    (r"^model\.layers\.(\d+)\.self_attn\.o_proj\.", r"layers.\1.attention.wo."),
-    (r"^model\.layers\.(\d+)\.self_attn\.(q|k)_norm\.", r"layers.\1.attention.\2_norm."),
-    (r"^model\.layers\.(\d+)\.mlp\.down_proj\.", r"layers.\1.feed_forward.w2."),
-]
-_FUSED = {  # ours <- the HF parts, concatenated in this order along dim 0
-    r"layers.\1.attention.wqkv.": (r"^model\.layers\.(\d+)\.self_attn\.(q|k|v)_proj\.", "qkv"),
-    r"layers.\1.feed_forward.w13.": (r"^model\.layers\.(\d+)\.mlp\.(gate|up)_proj\.", ("gate", "up")),
-}
-
-
-def _renamed(name: str, table: list[tuple[str, str]]) -> str | None:
-    """`name` through the first pattern of `table` that matches it; None when none does."""
-    for pattern, repl in table:
-        new, n = re.subn(pattern, repl, name)
-        if n:
-            return new
-    return None
-
-
 def _cat(name: str, pieces: list) -> torch.Tensor | Quantized:
     """Parts of a fused weight stacked; quantized parts of different formats are de-quantized."""
     if all(isinstance(p, torch.Tensor) for p in pieces):
@@ -89,24 +64,23 @@ def _cat(name: str, pieces: list) -> torch.Tensor | Quantized:
     return torch.cat([p.dequantize() if isinstance(p, Quantized) else p.float() for p in pieces], dim=0)
 
 
-def convert_state_dict(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Map an HF Llama-family state dict onto `Transformer`'s names. Unknown names are kept as is,
-    so that `load_weights` reports them as unexpected."""
+def convert_state_dict(hf: dict[str, torch.Tensor], family: ModelFamily) -> dict[str, torch.Tensor]:
+    """Map an HF state dict of `family` onto its model's names, fusing the parts the model keeps fused.
+    Unknown names are kept as they are, so that `load_model` reports them as unexpected."""
     out: dict[str, torch.Tensor] = {}
-    parts: dict[str, dict[str, torch.Tensor]] = {}
+    parts: dict[str, tuple[tuple[str, ...], dict[str, torch.Tensor]]] = {}
     for name, tensor in hf.items():
         if name.endswith("rotary_emb.inv_freq"):
             continue
-        for ours, (pattern, _) in _FUSED.items():
+        for ours, pattern, order in family.hf_fused:
             m = re.match(pattern, name)
             if m:
                 key = m.expand(ours) + name[m.end() :]
-                parts.setdefault(key, {})[m.group(2)] = tensor
+                parts.setdefault(key, (order, {}))[1][m.group(2)] = tensor
                 break
         else:
-            out[_renamed(name, _RENAMES) or name] = tensor
-    for key, pieces in parts.items():
-        order = "qkv" if "wqkv" in key else ("gate", "up")
+            out[renamed(name, family.hf_names) or name] = tensor
+    for key, (order, pieces) in parts.items():
         missing = [p for p in order if p not in pieces]
         if missing:
             raise ValueError(f"checkpoint has an incomplete fused weight {key}: missing {missing}")
@@ -174,18 +148,19 @@ def load_model(
     """Build the model, or tensor-parallel rank `tp_rank`'s part of it, from `model_dir`'s config and
     weights (a GGUF file's own blocks with quantization "gguf"); a missing or unexpected tensor is an
     error."""
-    args = ModelArgs.from_hf_config(load_config(model_dir))
+    config = load_config(model_dir)
+    family, args = family_of(config), ModelArgs.from_hf_config(config)
     if error := tensor_parallel_error(args.n_heads, args.n_kv_heads, args.intermediate_size, tp_size):
         raise ValueError(f"{model_dir} cannot run tensor-parallel: {error}")
     args = dataclasses.replace(args, tp_rank=tp_rank, tp_size=tp_size)
     with torch.device("meta"):
-        model = Transformer(args, backend_for(device))
+        model = family.build(args, backend_for(device))
     if quantization == "gguf":
         if gguf_path is None:
             raise ValueError("quantization gguf needs a .gguf model file")
-        state = convert_state_dict(read_gguf(gguf_path, args))
+        state = convert_state_dict(read_gguf(gguf_path, args, family), family)
     else:
-        state = convert_state_dict(read_safetensors(model_dir))
+        state = convert_state_dict(read_safetensors(model_dir), family)
     if args.tie_word_embeddings:
         state.pop("output.weight", None)
     if tp_size > 1:

@@ -19,6 +19,8 @@ def make_tiny_model(path, kind: str = "llama") -> str:
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -41,6 +43,10 @@ def make_tiny_model(path, kind: str = "llama") -> str:
     elif kind == "mistral":
         # A window shorter than the tests' prompts: each query attends to its 12 latest keys only.
         model = MistralForCausalLM(MistralConfig(**TINY, sliding_window=12, tie_word_embeddings=False))
+    elif kind == "phi3":  # RoPE over half of each head, as Phi-4-mini's three quarters
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+        config = Phi3Config(**TINY, rope_parameters=rope, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        model = Phi3ForCausalLM(config)
     elif kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=True))
     elif kind == "qwen3":
@@ -55,7 +61,7 @@ def make_tiny_model(path, kind: str = "llama") -> str:
     return str(path)
 
 
-@pytest.fixture(scope="session", params=["llama", "llama3", "mistral", "qwen2", "qwen3"])
+@pytest.fixture(scope="session", params=["llama", "llama3", "mistral", "qwen2", "qwen3", "phi3"])
 def tiny_model(request, tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
 

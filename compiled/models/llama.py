@@ -1,8 +1,10 @@
-"""The Llama family as plain modules: Llama 2/3, Mistral, SmolLM2, Qwen2/2.5, Qwen3.
+"""The Llama family as plain modules: Llama 2/3, Mistral, SmolLM2, Qwen2/2.5, Qwen3 (and, by their own
+weight names, Phi-3: compiled/models/phi3.py).
 
 One forward over a packed step: all scheduled tokens of all sequences, flattened to [T]. The
 differences between the family members are config switches: q/k/v bias (Qwen2), per-head q/k
-RMSNorm (Qwen3), tied embeddings (SmolLM2), RoPE scaling (Llama 3).
+RMSNorm (Qwen3), tied embeddings (SmolLM2), RoPE scaling (Llama 3), RoPE over part of each head
+(Phi-4-mini), sliding windows (Mistral, Phi-3).
 """
 
 from __future__ import annotations
@@ -18,10 +20,9 @@ from torch import Tensor, nn
 
 from compiled import parallel
 from compiled.attention import AttentionBackend, AttentionMetadata, paged_attention, write_kv
+from compiled.models.family import ModelFamily
 from compiled.models.linear import Linear
 from compiled.plan import OWN_CALLS, MatmulPlan, PartCalls, StepPlan, call_module
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass
@@ -33,6 +34,7 @@ class ModelArgs:
     n_heads: int
     n_kv_heads: int
     head_dim: int
+    rope_dim: int  # the leading part of each head that RoPE rotates
     norm_eps: float
     rope_theta: float
     max_position_embeddings: int
@@ -49,12 +51,10 @@ class ModelArgs:
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelArgs:
         model_type = getattr(config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model_type {model_type!r}; kiln runs {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
         rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
         rope_theta = rope.pop("rope_theta", getattr(config, "rope_theta", 10000.0))
+        rotary = rope.pop("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         if rope.get("rope_type", rope.get("type", "default")) == "default":
             rope = {}
         bias = bool(getattr(config, "attention_bias", False))
@@ -65,7 +65,8 @@ class ModelArgs:
             n_layers=config.num_hidden_layers,
             n_heads=config.num_attention_heads,
             n_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            head_dim=head_dim,
+            rope_dim=int(head_dim * rotary),
             norm_eps=config.rms_norm_eps,
             rope_theta=float(rope_theta),
             max_position_embeddings=config.max_position_embeddings,
@@ -89,9 +90,8 @@ def _windows(config: Any) -> tuple[int, ...]:
 
 
 def rope_inv_freq(args: ModelArgs) -> Tensor:
-    inv_freq = 1.0 / (
-        args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.int64).float() / args.head_dim)
-    )
+    d = args.rope_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     scaling = args.rope_scaling
     if not scaling:
         return inv_freq
@@ -111,12 +111,15 @@ def rope_inv_freq(args: ModelArgs) -> Tensor:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half RoPE (the HF layout); x is [T, heads, head_dim], cos/sin are [T, head_dim / 2] (the
-    reference repeats them for both halves). Each half in one expression: the same bits as
-    x·cos + rotate_half(x)·sin, where Inductor wrote rotate_half out first."""
-    x1, x2 = x.chunk(2, dim=-1)
+    """Rotate-half RoPE (the HF layout) over the first 2 · cos.shape[-1] of each head's dims, the rest
+    passed through; x is [T, heads, head_dim], cos/sin are [T, rope_dim / 2] (the reference repeats them
+    for both halves). Each half in one expression: the same bits as x·cos + rotate_half(x)·sin, where
+    Inductor wrote rotate_half out first."""
+    half = cos.shape[-1]
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
     cos, sin = cos[:, None], sin[:, None]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    rotated = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+    return torch.cat((*rotated, rest) if rest.shape[-1] else rotated, dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -271,3 +274,34 @@ class Transformer(nn.Module):
             layer.attention.k_cache, layer.attention.v_cache = self.attention_backend.new_kv_cache(
                 num_blocks, block_size, self.split.kv_heads, self.args.head_dim, dtype
             )
+
+
+FAMILY = ModelFamily(
+    model_types=("llama", "mistral", "qwen2", "qwen3"),
+    hf_names=(
+        (r"^model\.embed_tokens\.", "tok_embeddings."),
+        (r"^model\.norm\.", "norm."),
+        (r"^lm_head\.", "output."),
+        (r"^model\.layers\.(\d+)\.input_layernorm\.", r"layers.\1.attention_norm."),
+        (r"^model\.layers\.(\d+)\.post_attention_layernorm\.", r"layers.\1.ffn_norm."),
+        (r"^model\.layers\.(\d+)\.self_attn\.o_proj\.", r"layers.\1.attention.wo."),
+        (r"^model\.layers\.(\d+)\.self_attn\.(q|k)_norm\.", r"layers.\1.attention.\2_norm."),
+        (r"^model\.layers\.(\d+)\.mlp\.down_proj\.", r"layers.\1.feed_forward.w2."),
+    ),
+    hf_fused=(
+        (r"layers.\1.attention.wqkv.", r"^model\.layers\.(\d+)\.self_attn\.(q|k|v)_proj\.", ("q", "k", "v")),
+        (r"layers.\1.feed_forward.w13.", r"^model\.layers\.(\d+)\.mlp\.(gate|up)_proj\.", ("gate", "up")),
+    ),
+    gguf_names=(
+        (r"^token_embd\.", "model.embed_tokens."),
+        (r"^output_norm\.", "model.norm."),
+        (r"^output\.", "lm_head."),
+        (r"^blk\.(\d+)\.attn_norm\.", r"model.layers.\1.input_layernorm."),
+        (r"^blk\.(\d+)\.ffn_norm\.", r"model.layers.\1.post_attention_layernorm."),
+        (r"^blk\.(\d+)\.attn_(q|k|v)\.", r"model.layers.\1.self_attn.\2_proj."),
+        (r"^blk\.(\d+)\.attn_output\.", r"model.layers.\1.self_attn.o_proj."),
+        (r"^blk\.(\d+)\.attn_(q|k)_norm\.", r"model.layers.\1.self_attn.\2_norm."),
+        (r"^blk\.(\d+)\.ffn_(gate|up|down)\.", r"model.layers.\1.mlp.\2_proj."),
+    ),
+    build=Transformer,
+)

@@ -104,6 +104,7 @@ def test_a_sliding_window_matches_transformers_past_the_window(tmp_path):
     """Mistral's window of 12 keys, compiled: prompts prefill together tile by tile and in chunks after
     context, then decode far past the window; greedy tokens as transformers' in float32."""
     path = make_tiny_model(tmp_path, "mistral")
+    torch._dynamo.reset()  # graphs other tests compiled count against Dynamo's recompile limit
     runner = build_runner(path, dtype="float32", max_num_seqs=4, num_kv_blocks=64, block_size=16)
     runner.initialize_kv_cache(64)
     poison_kv_cache(runner)
@@ -116,6 +117,7 @@ def test_a_sliding_window_matches_transformers_past_the_window(tmp_path):
 def test_bfloat16_decode_matches_transformers(tiny_llama):
     """bfloat16 decode graphs: one sequence (matrix-vector reductions), then two (matmuls)."""
     torch.manual_seed(2)
+    torch._dynamo.reset()  # graphs other tests compiled count against Dynamo's recompile limit
     runner = build_runner(tiny_llama, dtype="bfloat16", max_num_seqs=4, num_kv_blocks=64)
     runner.initialize_kv_cache(64)
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16).eval()

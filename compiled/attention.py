@@ -31,8 +31,34 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch._inductor import inductor_prims
+
+
+class Scoring(NamedTuple):
+    """How one layer's attention scores are made: q·k times `scale`, soft-capped into (-softcap, softcap)
+    as softcap · tanh(s / softcap) (0: not), and masked to the `window` keys up to each query's own (0: to
+    every key before it)."""
+
+    scale: float
+    window: int = 0
+    softcap: float = 0.0
+
+
+def softcapped(scores: Tensor, cap: float) -> Tensor:
+    return cap * torch.tanh(scores / cap) if cap else scores
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scoring: Scoring) -> Tensor:
+    """q [B, H, Q, D] against k, v [B, Hkv, L, D] where `mask` [B or 1, 1, Q, L] holds: SDPA, or SDPA's
+    math where the scores are soft-capped, which SDPA cannot do."""
+    if not scoring.softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scoring.scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = softcapped(q.float() @ k.float().transpose(-1, -2) * scoring.scale, scoring.softcap)
+    return (s.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype) @ v).to(q.dtype)
 
 
 class AttentionMetadata(NamedTuple):
@@ -92,8 +118,7 @@ def decode_attention_reduction(
     v_cache: Tensor,
     block_tables: Tensor,
     seq_lens: Tensor,
-    scale: float,
-    window: int = 0,
+    scoring: Scoring,
 ) -> Tensor:
     """One query per row, q [B, H, D] -> [B, H, D], as reductions over the pages in place: compiled,
     Inductor fuses the indirect loads into them and never materialises the gathered K/V (eagerly this
@@ -102,15 +127,19 @@ def decode_attention_reduction(
     # q in a buffer of its own: Inductor would otherwise inline its producer (RoPE over the projection's
     # transposed output) into the score loop and compute it again for every page.
     q = inductor_prims.force_stride_order(q, (H * D, D, 1))
-    q, valid = _decode_setup(q, v_cache, block_tables, seq_lens, window)
+    q, valid = _decode_setup(q, v_cache, block_tables, seq_lens, scoring.window)
     Hkv, G, bs = q.shape[1], q.shape[2], v_cache.shape[3]
     W = block_tables.shape[1]
     k = k_cache[block_tables].float()  # [B, W, Hkv, bs/c, D, c]
     v = v_cache[block_tables]  # [B, W, Hkv, D/c, bs, c]
     v = torch.where(valid[:, :, None, None, :, None], v, 0.0).float()  # unwritten slots may hold NaN
     qf = q.float()
-    scores = torch.stack([(qf[:, None, :, g, None, :, None] * k).sum(4) for g in range(G)], 3) * scale
-    scores = scores.view(B, W, Hkv, G, bs).masked_fill(~valid[:, :, None, None, :], float("-inf"))
+    scores = torch.stack([(qf[:, None, :, g, None, :, None] * k).sum(4) for g in range(G)], 3)
+    scores = (
+        softcapped(scores * scoring.scale, scoring.softcap)
+        .view(B, W, Hkv, G, bs)
+        .masked_fill(~valid[:, :, None, None, :], float("-inf"))
+    )
     e = (scores - scores.amax(dim=(1, 4), keepdim=True)).exp()  # [B, W, Hkv, G, bs]
     out = torch.stack(
         [(e[:, :, :, g, None, :, None] * v).sum(dim=(1, 4)) for g in range(G)], 2
@@ -125,15 +154,16 @@ def decode_attention_matmul(
     v_cache: Tensor,
     block_tables: Tensor,
     seq_lens: Tensor,
-    scale: float,
-    window: int = 0,
+    scoring: Scoring,
 ) -> Tensor:
     """The same as `decode_attention_reduction`, over gathered K/V with matmuls: the eager formulation."""
     B, H, D = q.shape
-    q, valid = _decode_setup(q, v_cache, block_tables, seq_lens, window)
+    q, valid = _decode_setup(q, v_cache, block_tables, seq_lens, scoring.window)
     k = gather_keys(k_cache, block_tables)  # [B, Hkv, L, D]
     v = gather_values(v_cache, block_tables).masked_fill_(~valid.view(B, 1, -1, 1), 0.0)  # a fresh copy
-    scores = torch.einsum("bhgd,bhld->bhgl", q.float(), k.float()) * scale
+    scores = softcapped(
+        torch.einsum("bhgd,bhld->bhgl", q.float(), k.float()) * scoring.scale, scoring.softcap
+    )
     scores = scores.masked_fill(~valid.view(B, 1, 1, -1), float("-inf"))
     out = torch.einsum("bhgl,bhld->bhgd", scores.softmax(dim=-1), v.float())
     return out.to(q.dtype).reshape(B, H, D)
@@ -175,11 +205,10 @@ class AttentionBackend:
         k_cache: Tensor,
         v_cache: Tensor,
         meta: AttentionMetadata,
-        scale: float,
-        window: int,
+        scoring: Scoring,
     ) -> Tensor:
         """The step's multi-token chunks, after their K/V [T, Hkv, D] were written: q [T, H, D] (the whole
-        step) -> [T - Bd, H, D], each query attending to the `window` keys up to its own (0: all before)."""
+        step) -> [T - Bd, H, D]."""
         raise NotImplementedError
 
 
@@ -200,20 +229,17 @@ def paged_attention(
     k_cache: Tensor,
     v_cache: Tensor,
     meta: AttentionMetadata,
-    scale: float,
+    scoring: Scoring,
     backend: AttentionBackend,
     decode: str = "matmul",
-    window: int = 0,
 ) -> Tensor:
     """Attention for a packed step, after its K/V [T, Hkv, D] were written: q [T, H, D] -> [T, H, D];
-    its single-query rows through `DECODE_ATTENTION[decode]`, its chunks through the backend. Each query
-    attends to the `window` keys up to its own (0: to every key before it)."""
+    its single-query rows through `DECODE_ATTENTION[decode]`, its chunks through the backend."""
     Bd = meta.decode_block_tables.shape[0]
     parts = []
     if Bd > 0:
-        attend = DECODE_ATTENTION[decode]
         tables, lens = meta.decode_block_tables, meta.decode_seq_lens
-        parts.append(attend(q[:Bd], k_cache, v_cache, tables, lens, scale, window))
+        parts.append(DECODE_ATTENTION[decode](q[:Bd], k_cache, v_cache, tables, lens, scoring))
     if meta.prefill_block_tables.shape[0] > 0:
-        parts.append(backend.prefill(q, k, v, k_cache, v_cache, meta, scale, window))
+        parts.append(backend.prefill(q, k, v, k_cache, v_cache, meta, scoring))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -13,7 +13,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from compiled.attention import AttentionBackend, AttentionMetadata, gather_keys, gather_values
+from compiled.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    Scoring,
+    attend,
+    gather_keys,
+    gather_values,
+    softcapped,
+)
 
 
 class CpuAttention(AttentionBackend):
@@ -32,12 +40,11 @@ class CpuAttention(AttentionBackend):
         k_cache: Tensor,
         v_cache: Tensor,
         meta: AttentionMetadata,
-        scale: float,
-        window: int,
+        scoring: Scoring,
     ) -> Tensor:
         Bd, tables, chunks = meta.decode_block_tables.shape[0], meta.prefill_block_tables, meta.prefill_chunks
         return torch.ops.kiln.prefill_attention_chunks(
-            q[Bd:], k[Bd:], v[Bd:], k_cache, v_cache, tables, chunks, scale, window
+            q[Bd:], k[Bd:], v[Bd:], k_cache, v_cache, tables, chunks, *scoring
         )
 
 
@@ -65,10 +72,11 @@ def prefill_attention_chunks(
     chunks: Tensor,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> Tensor:
     """Multi-token chunks: q [N, H, D] holds their queries chunk after chunk and k, v [N, Hkv, D] their keys
     and values, `chunks` [P, 2] each one's first position and query count (`block_tables` [P, W]);
-    -> [N, H, D], each query attending to the `window` keys up to its own (0: every key before it).
+    -> [N, H, D], scored as `Scoring(scale, window, softcap)` says.
     No chunk pays for another's length, as each would in one padded batch (several times the work for
     prompts of mixed lengths): a step's fresh prompts run together tile by tile (`_fresh_prompts`) on the
     step's own K/V; a lone one, and every chunk after context, alone through SDPA over its pages."""
@@ -80,7 +88,7 @@ def prefill_attention_chunks(
     together = fresh if len(fresh) > 1 else []
     if together:
         starts, lens = [firsts[i] for i in together], [spans[i][1] for i in together]
-        out = _fresh_prompts(q, k, v, starts, lens, scale, window)
+        out = _fresh_prompts(q, k, v, starts, lens, Scoring(scale, window, softcap))
     else:
         out = torch.empty_like(q)
     for i, (start, n) in enumerate(spans):
@@ -91,11 +99,11 @@ def prefill_attention_chunks(
         k = gather_keys(k_cache, table)[:, :, :end]  # [1, Hkv, end, D]: every slot written
         v = gather_values(v_cache, table)[:, :, :end]
         qi = q[firsts[i] : firsts[i] + n].transpose(0, 1)[None]  # [1, H, n, D]
-        if start == 0 and not window:
+        if start == 0 and not window and not softcap:
             o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
             mask = _visible(torch.arange(start, end, device=q.device), end, window)
-            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            o = attend(qi, k, v, mask, Scoring(scale, window, softcap))
         out[firsts[i] : firsts[i] + n] = o[0].transpose(0, 1)
     return out
 
@@ -129,7 +137,7 @@ def _visible(query_pos: Tensor, keys: int, window: int) -> Tensor:
 
 
 def _fresh_prompts(
-    q: Tensor, k: Tensor, v: Tensor, starts: list[int], lens: list[int], scale: float, window: int = 0
+    q: Tensor, k: Tensor, v: Tensor, starts: list[int], lens: list[int], scoring: Scoring
 ) -> Tensor:
     """Fresh prompts, longest first: prompt b's queries, keys and values are rows
     [starts[b], starts[b] + lens[b]) of q [N, H, D] and k, v [N, Hkv, D] -> [N, H, D], whose rows outside
@@ -142,7 +150,7 @@ def _fresh_prompts(
     beats SDPA called prompt by prompt, whose flash kernel spends more on its softmax than on its products
     for heads this small. Scores stay in float32, as SDPA keeps them; the probabilities
     meet V in V's dtype, as in SDPA. Each operand is read, and the results written, by one gather."""
-    B, longest = len(lens), lens[0]
+    B, longest, (scale, window, _) = len(lens), lens[0], scoring
     H, Hkv, D = q.shape[1], k.shape[1], q.shape[2]
     G, T = H // Hkv, causal_tile(lens)
     padded = -(-longest // T) * T
@@ -167,7 +175,11 @@ def _fresh_prompts(
         bias.masked_fill_(~_visible(rows, e, window)[:, s:], float("-inf"))
         bias = bias[:, None].expand(T, G, e - s).reshape(T * G, e - s)
         tile = queries[:n, :, a : a + T].reshape(n * Hkv, T * G, D)  # a view: (query, head of the group)
-        scores = torch.baddbmm(bias, tile, keys_t[: n * Hkv, :, s:e], alpha=scale)
+        if scoring.softcap:
+            scores = torch.bmm(tile, keys_t[: n * Hkv, :, s:e]) * scale
+            scores = softcapped(scores, scoring.softcap) + bias
+        else:
+            scores = torch.baddbmm(bias, tile, keys_t[: n * Hkv, :, s:e], alpha=scale)
         probs = torch.softmax(scores, -1).to(v.dtype)
         o = torch.bmm(probs, values[: n * Hkv, s:e])  # [n * Hkv, T * G, D]
         out[:n, a : a + T] = o.view(n, Hkv, T, G, D).transpose(1, 2).reshape(n, T, H, D)
@@ -181,7 +193,7 @@ def _fresh_prompts(
 _lib = torch.library.Library("kiln", "FRAGMENT")
 _lib.define(
     "prefill_attention_chunks(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, "
-    "Tensor block_tables, Tensor chunks, float scale, int window=0) -> Tensor"
+    "Tensor block_tables, Tensor chunks, float scale, int window=0, float softcap=0) -> Tensor"
 )
 _lib.impl("prefill_attention_chunks", prefill_attention_chunks, "CPU")
 

@@ -4,10 +4,16 @@ for its query heads."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from compiled.attention import AttentionBackend, AttentionMetadata, gather_keys, gather_values
+from compiled.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    Scoring,
+    attend,
+    gather_keys,
+    gather_values,
+)
 
 
 class CudaAttention(AttentionBackend):
@@ -28,10 +34,9 @@ class CudaAttention(AttentionBackend):
         k_cache: Tensor,
         v_cache: Tensor,
         meta: AttentionMetadata,
-        scale: float,
-        window: int,
+        scoring: Scoring,
     ) -> Tensor:
-        return prefill_attention(q, k_cache, v_cache, meta, scale, expand_kv=True, window=window)
+        return prefill_attention(q, k_cache, v_cache, meta, scoring, expand_kv=True)
 
 
 def prefill_attention(
@@ -39,9 +44,8 @@ def prefill_attention(
     k_cache: Tensor,
     v_cache: Tensor,
     meta: AttentionMetadata,
-    scale: float,
+    scoring: Scoring,
     expand_kv: bool,
-    window: int = 0,
 ) -> Tensor:
     """Multi-token chunks as one padded batch: q [T, H, D] (the whole step) -> [T - Bd, H, D] for the chunk
     tokens.
@@ -54,14 +58,14 @@ def prefill_attention(
     key_pos = torch.arange(k.shape[2], device=q.device)
     query_pos = meta.prefill_query_pos[:, None, :, None]
     mask = key_pos <= query_pos  # [P, 1, Qp, L]
-    if window:  # each query attends to the `window` keys up to its own
-        mask &= key_pos > query_pos - window
+    if scoring.window:  # each query attends to the `window` keys up to its own
+        mask &= key_pos > query_pos - scoring.window
     # Unwritten slots may hold anything, NaN included: a masked score still meets them.
     written = (key_pos[None, :] <= meta.prefill_query_pos.amax(1)[:, None])[:, None, :, None]  # [P, 1, L, 1]
     k, v = torch.where(written, k, 0.0), torch.where(written, v, 0.0)
     if expand_kv:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=not expand_kv)
+    out = attend(qp, k, v, mask, scoring)
     P, H, Qp, D = out.shape
     return out.transpose(1, 2).reshape(P * Qp, H, D)[meta.prefill_out_index]

@@ -300,16 +300,39 @@ class CompilePolicy:
             return layer(*args)
 
         hidden = self.model(token_ids, positions, meta, plan, self.calls._replace(block=block))
-        graph = guard_free.GuardFreeGraph.lookup(type(seen[-1][0]).forward, *seen[-1])
-        if graph is None:
-            logger.warning(
-                "decode steps of %s rows keep Dynamo's guarded calls: it compiled no graph for them",
-                plan.kind,
-            )
-        else:
-            graph.go_direct(lambda wrapped, direct: _same_layer_step(wrapped, direct, *seen[-1]))
-        self.decode_graphs[plan.kind] = graph or call_module
+        graphs: dict[object, guard_free.GuardFreeGraph] = {}  # by Dynamo's compiled code: one per graph
+        layers = {}
+        for call in seen:
+            graph = guard_free.GuardFreeGraph.lookup(type(call[0]).forward, *call)
+            if graph is None:
+                logger.warning(
+                    "decode steps of %s rows keep Dynamo's guarded calls: it compiled no graph for them",
+                    plan.kind,
+                )
+                self.decode_graphs[plan.kind] = call_module
+                return hidden
+            if graph.entry.code not in graphs:
+                graph.go_direct(lambda wrapped, direct, call=call: _same_layer_step(wrapped, direct, *call))
+                graphs[graph.entry.code] = graph
+            layers[call[0]] = graphs[graph.entry.code]
+        self.decode_graphs[plan.kind] = LayerGraphs(layers)
         return hidden
+
+
+class LayerGraphs:
+    """Each layer's guard-free graph for one kind of decode step: layers that differ in what their graph
+    was specialised on (a local attention window beside global ones) have graphs of their own."""
+
+    def __init__(self, graphs: dict[nn.Module, guard_free.GuardFreeGraph]) -> None:
+        self.graphs = graphs
+
+    def __call__(self, layer: nn.Module, *args: object) -> Tensor:
+        return self.graphs[layer](layer, *args)
+
+    @property
+    def direct(self) -> bool:
+        """Every layer's graph calls Inductor's module directly."""
+        return all(graph.direct for graph in self.graphs.values())
 
 
 def _sliced_kernels(options: dict) -> quant.QuantKernels:

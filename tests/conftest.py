@@ -15,6 +15,8 @@ TINY = dict(
 def make_tiny_model(path, kind: str = "llama") -> str:
     """Save a random-weight model of the given family to `path` (an HF directory)."""
     from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
@@ -47,6 +49,19 @@ def make_tiny_model(path, kind: str = "llama") -> str:
         rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
         config = Phi3Config(**TINY, rope_parameters=rope, pad_token_id=0, bos_token_id=1, eos_token_id=2)
         model = Phi3ForCausalLM(config)
+    elif kind == "gemma2":  # a window of 12 on layer 0, caps low enough to bend these scores and logits
+        config = Gemma2Config(
+            **TINY,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=12,
+            attn_logit_softcapping=1.5,
+            final_logit_softcapping=2.0,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        model = Gemma2ForCausalLM(config)
     elif kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=True))
     elif kind == "qwen3":
@@ -61,7 +76,7 @@ def make_tiny_model(path, kind: str = "llama") -> str:
     return str(path)
 
 
-@pytest.fixture(scope="session", params=["llama", "llama3", "mistral", "qwen2", "qwen3", "phi3"])
+@pytest.fixture(scope="session", params=["llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "gemma2"])
 def tiny_model(request, tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
 

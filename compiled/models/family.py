@@ -43,9 +43,9 @@ def renamed(name: str, table: Renames) -> str | None:
 
 def family_of(config: Any) -> ModelFamily:
     """The family of an HF config; an error naming those kiln runs for any other."""
-    from compiled.models import llama, phi3
+    from compiled.models import gemma, llama, phi3
 
-    families = {t: f for f in (llama.FAMILY, phi3.FAMILY) for t in f.model_types}
+    families = {t: f for f in (llama.FAMILY, phi3.FAMILY, gemma.FAMILY) for t in f.model_types}
     model_type = getattr(config, "model_type", None)
     if model_type not in families:
         raise ValueError(f"unsupported model_type {model_type!r}; kiln runs {', '.join(sorted(families))}")

@@ -1,14 +1,16 @@
 """The Llama family as plain modules: Llama 2/3, Mistral, SmolLM2, Qwen2/2.5, Qwen3 (and, by their own
-weight names, Phi-3: compiled/models/phi3.py).
+weight names, Phi-3 and Gemma 2: compiled/models/phi3.py, gemma.py).
 
 One forward over a packed step: all scheduled tokens of all sequences, flattened to [T]. The
 differences between the family members are config switches: q/k/v bias (Qwen2), per-head q/k
 RMSNorm (Qwen3), tied embeddings (SmolLM2), RoPE scaling (Llama 3), RoPE over part of each head
-(Phi-4-mini), sliding windows (Mistral, Phi-3).
+(Phi-3's configs), sliding windows (Mistral, Phi-3, Gemma 2's local layers), Gemma's norms, GELU and
+soft-caps.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +21,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from compiled import parallel
-from compiled.attention import AttentionBackend, AttentionMetadata, paged_attention, write_kv
+from compiled.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    Scoring,
+    paged_attention,
+    softcapped,
+    write_kv,
+)
 from compiled.models.family import ModelFamily
 from compiled.models.linear import Linear
 from compiled.plan import OWN_CALLS, MatmulPlan, PartCalls, StepPlan, call_module
@@ -43,6 +52,12 @@ class ModelArgs:
     o_bias: bool = False
     qk_norm: bool = False
     tie_word_embeddings: bool = False
+    # Gemma's: embeddings scaled by sqrt(dim), norms by (1 + weight) in float32 and also after attention
+    # and the MLP, a tanh-approximated GELU, queries scaled by its own scalar, scores and logits soft-capped.
+    gemma: bool = False
+    attn_scale: float = 0.0  # 0: head_dim ** -0.5
+    attn_softcap: float = 0.0
+    logit_softcap: float = 0.0
     # Each layer's sliding window: the keys a query attends to, itself included (0: the whole context).
     windows: tuple[int, ...] = ()
     tp_rank: int = 0  # tensor parallelism: this process's part of every weight (compiled/parallel.py)
@@ -74,6 +89,10 @@ class ModelArgs:
             qkv_bias=model_type == "qwen2" or bias,
             o_bias=bias,
             qk_norm=model_type == "qwen3",
+            gemma=model_type == "gemma2",
+            attn_scale=(getattr(config, "query_pre_attn_scalar", None) or head_dim) ** -0.5,
+            attn_softcap=getattr(config, "attn_logit_softcapping", None) or 0.0,
+            logit_softcap=getattr(config, "final_logit_softcapping", None) or 0.0,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             windows=_windows(config),
         )
@@ -123,22 +142,38 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """Normalised in float32, then scaled as the reference does: by the weight after the cast back, or
+    (Gemma, `unit_offset`) by 1 + the weight before it."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.unit_offset = eps, unit_offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # Normalise in float32 and cast back before scaling, as the reference does.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
+
+
+def _projected(
+    linear: nn.Module, h: Tensor | None, x: Tensor, how: MatmulPlan, tensor_parallel: bool
+) -> Tensor:
+    """h + linear(x), or linear(x) alone where h is None; under tensor parallelism the ranks' partial sums
+    are added up first."""
+    if tensor_parallel:
+        y = parallel.all_reduce(linear(x, how))
+        return y if h is None else h + y
+    return linear(x, how) if h is None else linear.add_to(h, x, how)
 
 
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, backend: AttentionBackend, window: int) -> None:
         super().__init__()
-        self.backend, self.window = backend, window
+        self.backend = backend
+        self.scoring = Scoring(args.attn_scale or args.head_dim**-0.5, window, args.attn_softcap)
         split = parallel.Split.of(args)
         self.n_heads, self.n_kv_heads, self.head_dim = split.heads, split.kv_heads, args.head_dim
         self.tensor_parallel = args.tp_size > 1
@@ -152,9 +187,10 @@ class Attention(nn.Module):
         self.v_cache: Tensor | None = None
 
     def forward(
-        self, h: Tensor, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, plan: StepPlan
+        self, h: Tensor | None, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, plan: StepPlan
     ) -> Tensor:
-        """The residual stream `h` with this layer's attention over `x` (its normalised `h`) added."""
+        """The residual stream `h` with this layer's attention over `x` (its normalised `h`) added (None:
+        the attention's output alone)."""
         T, how = x.shape[0], plan.linear
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.wqkv(x, how).split([q_size, kv_size, kv_size], dim=-1)
@@ -165,14 +201,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
-        scale = self.head_dim**-0.5
         out = paged_attention(
-            q, k, v, self.k_cache, self.v_cache, meta, scale, self.backend, plan.decode_attention, self.window
+            q, k, v, self.k_cache, self.v_cache, meta, self.scoring, self.backend, plan.decode_attention
         )
-        out = out.reshape(T, q_size)
-        if self.tensor_parallel:  # each rank's partial sum first, the residual once
-            return h + parallel.all_reduce(self.wo(out, how))
-        return self.wo.add_to(h, out, how)
+        return _projected(self.wo, h, out.reshape(T, q_size), how, self.tensor_parallel)
 
 
 class FeedForward(nn.Module):
@@ -181,28 +213,33 @@ class FeedForward(nn.Module):
         width = parallel.Split.of(args).intermediate
         self.w13 = Linear(args.dim, 2 * width, bias=False)  # gate and up, fused
         self.w2 = Linear(width, args.dim, bias=False)
-        self.tensor_parallel = args.tp_size > 1
+        self.tensor_parallel, self.gelu = args.tp_size > 1, args.gemma
 
-    def forward(self, h: Tensor, x: Tensor, how: MatmulPlan) -> Tensor:
-        """The residual stream `h` with the feed-forward of `x` (its normalised `h`) added."""
+    def forward(self, h: Tensor | None, x: Tensor, how: MatmulPlan) -> Tensor:
+        """The residual stream `h` with the feed-forward of `x` (its normalised `h`) added (None: the
+        feed-forward's output alone)."""
         gate, up = self.w13(x, how).chunk(2, dim=-1)
-        act = F.silu(gate) * up
-        if self.tensor_parallel:
-            return h + parallel.all_reduce(self.w2(act, how))
-        return self.w2.add_to(h, act, how)
+        act = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
+        return _projected(self.w2, h, act, how, self.tensor_parallel)
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, attention: AttentionBackend, window: int = 0) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        norm = functools.partial(RMSNorm, args.dim, args.norm_eps, args.gemma)
+        self.attention_norm, self.ffn_norm = norm(), norm()
         self.attention = Attention(args, attention, window)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
+        # Gemma normalises each sublayer's output too, before its residual add.
+        self.post_attention_norm, self.post_ffn_norm = (norm(), norm()) if args.gemma else (None, None)
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, plan: StepPlan) -> Tensor:
-        h = self.attention(h, self.attention_norm(h), cos, sin, meta, plan)
-        return self.feed_forward(h, self.ffn_norm(h), plan.linear)
+        x = self.attention_norm(h)
+        if self.post_attention_norm is None:
+            h = self.attention(h, x, cos, sin, meta, plan)
+            return self.feed_forward(h, self.ffn_norm(h), plan.linear)
+        h = h + self.post_attention_norm(self.attention(None, x, cos, sin, meta, plan))
+        return h + self.post_ffn_norm(self.feed_forward(None, self.ffn_norm(h), plan.linear))
 
 
 class Transformer(nn.Module):
@@ -214,7 +251,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(self.split.vocab, args.dim)  # this rank's rows of the vocabulary
         windows = args.windows or (0,) * args.n_layers
         self.layers = nn.ModuleList(TransformerBlock(args, attention, w) for w in windows)
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.gemma)
         self.output = Linear(args.dim, self.split.vocab, bias=False)
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -247,18 +284,19 @@ class Transformer(nn.Module):
 
     def embed(self, input_ids: Tensor, call: Callable = call_module) -> Tensor:
         if self.args.tp_size == 1:
-            return call(self.tok_embeddings, input_ids)
-        # Each rank looks up the tokens its rows hold; the others' rows add zeros.
-        local = input_ids - self.split.vocab_start
-        mine = (local >= 0) & (local < self.split.vocab)
-        h = call(self.tok_embeddings, torch.where(mine, local, 0)).masked_fill(~mine[:, None], 0)
-        return parallel.all_reduce(h)
+            h = call(self.tok_embeddings, input_ids)
+        else:  # each rank looks up the tokens its rows hold; the others' rows add zeros
+            local = input_ids - self.split.vocab_start
+            mine = (local >= 0) & (local < self.split.vocab)
+            h = call(self.tok_embeddings, torch.where(mine, local, 0)).masked_fill(~mine[:, None], 0)
+            h = parallel.all_reduce(h)
+        return h * h.new_tensor(self.args.dim**0.5) if self.args.gemma else h  # the scale in h's dtype
 
     def compute_logits(self, hidden: Tensor, how: MatmulPlan, head: Callable = call_module) -> Tensor | None:
         """Logits of the sampled rows (`head` runs the LM head): at most one per sequence, a decode batch's
         worth. Under tensor parallelism every rank computes its vocabulary shard and rank 0 gets them all
         (None elsewhere)."""
-        logits = head(self.output, hidden, how).float()
+        logits = softcapped(head(self.output, hidden, how).float(), self.args.logit_softcap)
         return logits if self.args.tp_size == 1 else parallel.gather_vocab(logits, self.args.vocab_size)
 
     def pack_weights(self) -> None:

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from compiled import parallel, quant
-from compiled.attention import AttentionMetadata, write_kv
+from compiled.attention import AttentionMetadata
 from compiled.input_batch import InputBatch
 from compiled.models.linear import PACKED_PREFILL_DTYPES, cpu_matmul_dtype
 from compiled.plan import OWN_CALLS, MatmulPlan, PartCalls, StepPlan, call_module
@@ -300,39 +300,14 @@ class CompilePolicy:
             return layer(*args)
 
         hidden = self.model(token_ids, positions, meta, plan, self.calls._replace(block=block))
-        graphs: dict[object, guard_free.GuardFreeGraph] = {}  # by Dynamo's compiled code: one per graph
-        layers = {}
-        for call in seen:
-            graph = guard_free.GuardFreeGraph.lookup(type(call[0]).forward, *call)
-            if graph is None:
-                logger.warning(
-                    "decode steps of %s rows keep Dynamo's guarded calls: it compiled no graph for them",
-                    plan.kind,
-                )
-                self.decode_graphs[plan.kind] = call_module
-                return hidden
-            if graph.entry.code not in graphs:
-                graph.go_direct(lambda wrapped, direct, call=call: _same_layer_step(wrapped, direct, *call))
-                graphs[graph.entry.code] = graph
-            layers[call[0]] = graphs[graph.entry.code]
-        self.decode_graphs[plan.kind] = LayerGraphs(layers)
+        graphs = guard_free.LayerGraphs.lookup(seen)
+        if graphs is None:
+            logger.warning(
+                "decode steps of %s rows keep Dynamo's guarded calls: it compiled no graph for them",
+                plan.kind,
+            )
+        self.decode_graphs[plan.kind] = graphs or call_module
         return hidden
-
-
-class LayerGraphs:
-    """Each layer's guard-free graph for one kind of decode step: layers that differ in what their graph
-    was specialised on (a local attention window beside global ones) have graphs of their own."""
-
-    def __init__(self, graphs: dict[nn.Module, guard_free.GuardFreeGraph]) -> None:
-        self.graphs = graphs
-
-    def __call__(self, layer: nn.Module, *args: object) -> Tensor:
-        return self.graphs[layer](layer, *args)
-
-    @property
-    def direct(self) -> bool:
-        """Every layer's graph calls Inductor's module directly."""
-        return all(graph.direct for graph in self.graphs.values())
 
 
 def _sliced_kernels(options: dict) -> quant.QuantKernels:
@@ -385,35 +360,3 @@ class _GuardFreeCalls:
             graph.go_direct(lambda wrapped, direct: torch.allclose(wrapped(*args), direct(*args)))
             self.graphs[kind] = graph
         return y
-
-
-def _same_layer_step(
-    wrapped: Callable,
-    direct: Callable,
-    layer: nn.Module,
-    h: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    meta: AttentionMetadata,
-    plan: StepPlan,
-) -> bool:
-    """Whether `direct` computes what `wrapped` does on one layer step: the same hidden states, and the
-    same K/V in the slots it writes (poisoned with NaN first, so a lost write cannot pass)."""
-    attn, slots = layer.attention, meta.slot_mapping
-    blocks = (slots // attn.v_cache.shape[3]).unique()
-    expected = wrapped(layer, h, cos, sin, meta, plan)
-    kv = attn.k_cache[blocks].clone(), attn.v_cache[blocks].clone()
-    nan = torch.full(
-        (slots.shape[0], attn.n_kv_heads, attn.head_dim), float("nan"), dtype=h.dtype, device=h.device
-    )
-    write_kv(attn.k_cache, attn.v_cache, nan, nan, slots)
-    got = direct(layer, h, cos, sin, meta, plan)
-    # Close, not equal: BLAS may round differently from call to call. Slots nobody wrote may hold NaN
-    # garbage on both sides; a lost write leaves NaN where the wrapped call wrote a number.
-    same_kv = all(
-        torch.allclose(a, b, equal_nan=True) for a, b in zip((attn.k_cache[blocks], attn.v_cache[blocks]), kv)
-    )
-    ok = isinstance(got, Tensor) and got.shape == expected.shape and torch.allclose(got, expected) and same_kv
-    if not same_kv:  # leave the cache as the wrapped call wrote it
-        attn.k_cache[blocks], attn.v_cache[blocks] = kv
-    return ok

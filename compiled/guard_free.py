@@ -6,7 +6,8 @@ layer. A decode step of a given kind always runs the graph the warm-up compiled 
 runner looks it up once and calls it directly from then on. This reads Dynamo's cache entries and
 Inductor's compiled module, which are not public API: it is used only on the torch versions it was
 verified on (`SUPPORTED`), and each direct call path is kept only after a self-check on the lookup's
-arguments.
+arguments. Layers that differ in what their graph was specialised on each keep their own (LayerGraphs).
+The compile policy imports this module only where it exists: a torch it does not know drops the file.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ import types
 from collections.abc import Callable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+from compiled.attention import AttentionMetadata, write_kv
+from compiled.plan import StepPlan
 
 logger = logging.getLogger("kiln.runner")
 
@@ -87,3 +91,67 @@ def _inductor_module(compiled_fn: Callable) -> Callable | None:
     if module is None or not getattr(inner, "_boxed_call", False):
         return None
     return lambda *args: module(list(args))
+
+
+class LayerGraphs:
+    """Each layer's guard-free graph for one kind of decode step: layers that differ in what their graph
+    was specialised on (a local attention window beside global ones) have graphs of their own."""
+
+    def __init__(self, graphs: dict[nn.Module, GuardFreeGraph]) -> None:
+        self.graphs = graphs
+
+    @classmethod
+    def lookup(cls, calls: list[tuple]) -> LayerGraphs | None:
+        """The graphs of these layer calls (layer, *args) of one step, each distinct graph verified once
+        (`go_direct`, by `same_layer_step`); None when Dynamo runs no graph for one of them."""
+        graphs: dict[object, GuardFreeGraph] = {}  # by Dynamo's compiled code: one per graph
+        layers = {}
+        for call in calls:
+            graph = GuardFreeGraph.lookup(type(call[0]).forward, *call)
+            if graph is None:
+                return None
+            if graph.entry.code not in graphs:
+                graph.go_direct(lambda wrapped, direct, call=call: same_layer_step(wrapped, direct, *call))
+                graphs[graph.entry.code] = graph
+            layers[call[0]] = graphs[graph.entry.code]
+        return cls(layers)
+
+    def __call__(self, layer: nn.Module, *args: object) -> Tensor:
+        return self.graphs[layer](layer, *args)
+
+    @property
+    def direct(self) -> bool:
+        """Every layer's graph calls Inductor's module directly."""
+        return all(graph.direct for graph in self.graphs.values())
+
+
+def same_layer_step(
+    wrapped: Callable,
+    direct: Callable,
+    layer: nn.Module,
+    h: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    meta: AttentionMetadata,
+    plan: StepPlan,
+) -> bool:
+    """Whether `direct` computes what `wrapped` does on one layer step: the same hidden states, and the
+    same K/V in the slots it writes (poisoned with NaN first, so a lost write cannot pass)."""
+    attn, slots = layer.attention, meta.slot_mapping
+    blocks = (slots // attn.v_cache.shape[3]).unique()
+    expected = wrapped(layer, h, cos, sin, meta, plan)
+    kv = attn.k_cache[blocks].clone(), attn.v_cache[blocks].clone()
+    nan = torch.full(
+        (slots.shape[0], attn.n_kv_heads, attn.head_dim), float("nan"), dtype=h.dtype, device=h.device
+    )
+    write_kv(attn.k_cache, attn.v_cache, nan, nan, slots)
+    got = direct(layer, h, cos, sin, meta, plan)
+    # Close, not equal: BLAS may round differently from call to call. Slots nobody wrote may hold NaN
+    # garbage on both sides; a lost write leaves NaN where the wrapped call wrote a number.
+    same_kv = all(
+        torch.allclose(a, b, equal_nan=True) for a, b in zip((attn.k_cache[blocks], attn.v_cache[blocks]), kv)
+    )
+    ok = isinstance(got, Tensor) and got.shape == expected.shape and torch.allclose(got, expected) and same_kv
+    if not same_kv:  # leave the cache as the wrapped call wrote it
+        attn.k_cache[blocks], attn.v_cache[blocks] = kv
+    return ok

@@ -6,6 +6,7 @@ import torch
 from compiled import attention_cpu
 from compiled.attention import (
     AttentionMetadata,
+    Scoring,
     decode_attention_matmul,
     decode_attention_reduction,
     gather_keys,
@@ -37,12 +38,22 @@ def paged_sequences(lanes: int, monkeypatch) -> tuple:
     return k_cache, v_cache, tables, torch.tensor(lens), ks, vs
 
 
-def reference(q: torch.Tensor, ks: list, vs: list) -> torch.Tensor:
+# Plain scores; and a window of 7 keys with scores soft-capped at 0.8, low enough to bend them.
+SCORINGS = [Scoring(D**-0.5), Scoring(D**-0.5, window=7, softcap=0.8)]
+
+
+def capped(scores: torch.Tensor, scoring: Scoring) -> torch.Tensor:
+    return scoring.softcap * torch.tanh(scores / scoring.softcap) if scoring.softcap else scores
+
+
+def reference(q: torch.Tensor, ks: list, vs: list, scoring: Scoring) -> torch.Tensor:
+    """Each row's one query after its sequence's keys, as a plain softmax over the keys it may see."""
     out = []
     for b in range(len(ks)):
-        k = ks[b].double().repeat_interleave(H // HKV, 1)
-        v = vs[b].double().repeat_interleave(H // HKV, 1)
-        p = (torch.einsum("hd,lhd->hl", q[b].double(), k) * D**-0.5).softmax(-1)
+        seen = slice(max(0, len(ks[b]) - scoring.window) if scoring.window else 0, None)
+        k = ks[b][seen].double().repeat_interleave(H // HKV, 1)
+        v = vs[b][seen].double().repeat_interleave(H // HKV, 1)
+        p = capped(torch.einsum("hd,lhd->hl", q[b].double(), k) * scoring.scale, scoring).softmax(-1)
         out.append(torch.einsum("hl,lhd->hd", p, v))
     return torch.stack(out).float()
 
@@ -56,17 +67,18 @@ def test_gathers_read_back_what_write_kv_stored(lanes, monkeypatch):
         assert torch.equal(values[b, :, :n], vs[b].transpose(0, 1))
 
 
+@pytest.mark.parametrize("scoring", SCORINGS, ids=["plain", "window-softcap"])
 @pytest.mark.parametrize("lanes", [4, 8, 16])
-def test_decode_attention_matches_a_plain_softmax_whatever_the_slice_width(lanes, monkeypatch):
+def test_decode_attention_matches_a_plain_softmax_whatever_the_slice_width(lanes, scoring, monkeypatch):
     k_cache, v_cache, tables, lens, ks, vs = paged_sequences(lanes, monkeypatch)
     q = torch.randn(B, H, D)
-    expected = reference(q, ks, vs)
-    eager = decode_attention_matmul(q, k_cache, v_cache, tables, lens, D**-0.5)
+    expected = reference(q, ks, vs, scoring)
+    eager = decode_attention_matmul(q, k_cache, v_cache, tables, lens, scoring)
     torch.testing.assert_close(eager, expected, rtol=1e-5, atol=1e-5)
-    reduction = decode_attention_reduction(q, k_cache, v_cache, tables, lens, D**-0.5)
+    reduction = decode_attention_reduction(q, k_cache, v_cache, tables, lens, scoring)
     torch.testing.assert_close(reduction, expected, rtol=1e-5, atol=1e-5)
     compiled = torch.compile(decode_attention_reduction, dynamic=False)(
-        q, k_cache, v_cache, tables, lens, D**-0.5
+        q, k_cache, v_cache, tables, lens, scoring
     )
     torch.testing.assert_close(compiled, expected, rtol=1e-5, atol=1e-5)
 
@@ -83,7 +95,8 @@ PREFILL_FORMS = ["one-by-one", "padded", "padded-expanded-kv"]
         ("one-by-one", [0, 20, 0], [2, 17, 1]),  # a one-row prompt beside a shorter tile
     ],
 )
-def test_prefill_attention_is_a_causal_softmax_below_its_context(form, starts, n, monkeypatch):
+@pytest.mark.parametrize("scoring", SCORINGS, ids=["plain", "window-softcap"])
+def test_prefill_attention_is_a_causal_softmax_below_its_context(form, starts, n, scoring, monkeypatch):
     """Chunks one by one (CPU: fresh prompts together tile by tile, the rest alone) or as one padded batch
     meeting GQA as SDPA does or with K/V repeated per query head (CUDA) compute the same."""
     k_cache, v_cache, tables, _, ks, vs = paged_sequences(4, monkeypatch)
@@ -108,14 +121,17 @@ def test_prefill_attention_is_a_causal_softmax_below_its_context(form, starts, n
         # The step's own K/V of each chunk: its positions of the sequence's.
         k, v = (torch.cat([x[b][s : s + m] for b, (s, m) in enumerate(zip(starts, n))]) for x in (ks, vs))
         out = torch.ops.kiln.prefill_attention_chunks(
-            q, k, v, k_cache, v_cache, tables, meta.prefill_chunks, D**-0.5
+            q, k, v, k_cache, v_cache, tables, meta.prefill_chunks, *scoring
         )
     else:
-        out = prefill_attention(q, k_cache, v_cache, meta, D**-0.5, expand_kv=form == "padded-expanded-kv")
+        out = prefill_attention(q, k_cache, v_cache, meta, scoring, expand_kv=form == "padded-expanded-kv")
     for b, (f, s, m) in enumerate(zip(firsts, starts, n)):
         k, v = (x[: s + m].double().repeat_interleave(H // HKV, 1) for x in (ks[b], vs[b]))
-        scores = torch.einsum("qhd,lhd->hql", q[f : f + m].double(), k) * D**-0.5
-        scores = scores.masked_fill(torch.ones(m, s + m, dtype=torch.bool).triu(s + 1), float("-inf"))
+        scores = capped(torch.einsum("qhd,lhd->hql", q[f : f + m].double(), k) * scoring.scale, scoring)
+        hidden = torch.ones(m, s + m, dtype=torch.bool).triu(s + 1)  # keys after the query
+        if scoring.window:  # and keys before its window
+            hidden |= torch.ones(m, s + m, dtype=torch.bool).tril(s - scoring.window)
+        scores = scores.masked_fill(hidden, float("-inf"))
         expected = torch.einsum("hql,lhd->qhd", scores.softmax(-1), v).float()
         torch.testing.assert_close(out[f : f + m], expected, rtol=1e-5, atol=1e-5)
 

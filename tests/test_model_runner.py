@@ -335,7 +335,7 @@ def test_no_recompile_after_warmup(tiny_llama, monkeypatch, quantization):
     # in float32 on packed weights 2 rows, whose matmuls run on the weights as stored.
     few = quantization == "int4" or runner.model.layers[0].attention.wqkv.prepacked is not None
     assert set(graphs) == ({"one", "few", "more"} if few else {"one", "more"})
-    assert all(isinstance(g, compile_policy.LayerGraphs) for g in graphs.values())
+    assert all(isinstance(g, guard_free.LayerGraphs) for g in graphs.values())
     # One graph for every layer of a kind: the layers differ in nothing their graphs specialise on.
     assert all(len({id(x) for x in g.graphs.values()}) == 1 for g in graphs.values())
     assert all(g.direct for g in graphs.values())  # straight into Inductor's modules
@@ -443,8 +443,8 @@ def test_the_direct_call_self_check_catches_a_lost_kv_write(tiny_llama):
             attn.k_cache, attn.v_cache = kept
 
     with torch.no_grad():
-        assert compile_policy._same_layer_step(layer_step, layer_step, *args)
-        assert not compile_policy._same_layer_step(layer_step, lost_write, *args)
+        assert guard_free.same_layer_step(layer_step, layer_step, *args)
+        assert not guard_free.same_layer_step(layer_step, lost_write, *args)
 
 
 def test_the_vector_isa_probe_imports_nothing_on_its_thread():

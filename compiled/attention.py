@@ -176,7 +176,6 @@ class AttentionBackend:
     """One device's attention: the KV cache's memory and slice width, and how a step's multi-token chunks
     attend. Chosen once at start (`backend_for`) and held by the model's attention layers."""
 
-    name = ""
     vector_bytes = 64  # the width of the device's vector loads: the cache's slices are one wide
 
     def kv_lanes(self, dtype: torch.dtype, block_size: int, head_dim: int) -> int:

@@ -25,7 +25,6 @@ from compiled.attention import (
 
 
 class CpuAttention(AttentionBackend):
-    name = "cpu"
     # Inductor's CPU kernels use 32-byte vectors on AVX2 and 64-byte ones on AVX-512.
     vector_bytes = 64 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 32
 
@@ -85,7 +84,9 @@ def prefill_attention_chunks(
     firsts = [0, *itertools.accumulate(n for _, n in spans)]
     # The empty chunk a step with one carries (compiled/input_batch.py) has nothing to compute.
     fresh = sorted((i for i, (start, n) in enumerate(spans) if start == 0 and n), key=lambda i: -spans[i][1])
-    together = fresh if len(fresh) > 1 else []
+    # A lone prompt runs through SDPA's flash kernel, unless it needs a window or a soft-cap, which SDPA
+    # would take as a full mask or as its math, every score materialised.
+    together = fresh if len(fresh) > 1 or window or softcap else []
     if together:
         starts, lens = [firsts[i] for i in together], [spans[i][1] for i in together]
         out = _fresh_prompts(q, k, v, starts, lens, Scoring(scale, window, softcap))

@@ -17,7 +17,6 @@ from compiled.attention import (
 
 
 class CudaAttention(AttentionBackend):
-    name = "cuda"
     vector_bytes = 64  # as AVX-512's: a choice not measured on a GPU
 
     def __init__(self, device: torch.device) -> None:

@@ -37,7 +37,7 @@ from compiled.plan import OWN_CALLS, MatmulPlan, PartCalls, StepPlan, call_modul
 
 logger = logging.getLogger("kiln.runner")
 
-try:  # calls past Dynamo's guards reach into torch's private API: a torch it does not know drops the file
+try:  # calls past Dynamo's guards reach into torch's private API: a torch upgrade it breaks deletes the file
     from compiled import guard_free
 
     GUARD_FREE = guard_free.supported()
@@ -65,6 +65,7 @@ CUDA_DECODE = dict(mode="reduce-overhead", fullgraph=True)  # the whole decode f
 DYNAMO_FLAGS = dict(
     specialize_float=True,  # float attributes (norm eps) as constants, not tensors built on every call
     fake_tensor_cache_enabled=False,  # its bookkeeping costs more than it saves on these dynamic graphs
+    recompile_limit=32,  # a graph per plan and per kind of layer (Gemma's local and global), and room
     record_runtime_overhead=False,  # Dynamo's bytecode would time every call, for logs kiln does not read
 )
 FX_FLAGS = dict(use_duck_shape=False)  # sizes equal when traced must not be assumed equal
@@ -162,10 +163,12 @@ class CompilePolicy:
         self, model: nn.Module, device: torch.device, enforce_eager: bool, dtype: torch.dtype
     ) -> None:
         self.model, self.device, self.eager = model, device, enforce_eager
-        self.decode_forward: Callable[..., Tensor] = model.forward
+        # The decode forward where it is not the model's with `calls`: compiled whole (CUDA), or looking
+        # up each layer's guard-free graph (CPU, on its first step of a kind).
+        self.decode_forward: Callable[..., Tensor] | None = None
         self.decode_graphs: dict[str, Callable] = {}  # kind of decode step -> how its layers run
         self.calls, self.head = OWN_CALLS, call_module  # how the step's ends and the LM head run
-        self.plans, self.few_rows, self.few_reduce = self._plans(dtype)
+        self.plans, self.few_rows = self._plans(dtype)
         if enforce_eager:
             return
         quantized = any(isinstance(m, quant.PackedWeight) for m in model.modules())
@@ -203,9 +206,9 @@ class CompilePolicy:
             # keep Dynamo's guarded calls. The shared-memory all-reduce is a plain custom op.
             self.decode_forward = self._decode_guard_free
 
-    def _plans(self, dtype: torch.dtype) -> tuple[dict[str, StepPlan], int, bool]:
-        """The plan of each kind of step; decode steps of at most `few_rows` rows are "few", and their
-        linears reduce row by row where `few_reduce` (else: matmuls on the weights as stored)."""
+    def _plans(self, dtype: torch.dtype) -> tuple[dict[str, StepPlan], int]:
+        """The plan of each kind of step, and `few_rows`: decode steps of at most that many rows are "few",
+        whose linears reduce row by row or (float32 on packed weights) multiply the weights as stored."""
         model, cpu = self.model, self.device.type == "cpu"
         upcast = cpu and cpu_matmul_dtype(dtype) != dtype
         decode = MatmulPlan(packed=True, weight_left=cpu, upcast=upcast)
@@ -217,7 +220,7 @@ class CompilePolicy:
             elif cpu_matmul_dtype(dtype) != torch.float32:
                 few_rows = FEW_HALF_ROWS_PACKED if packed else FEW_HALF_ROWS
             elif packed:
-                few_rows, few = FEW_FLOAT_ROWS_UNPACKED, MatmulPlan(weight_left=True)
+                few_rows, few = FEW_FLOAT_ROWS_UNPACKED, MatmulPlan(weight_left=True, upcast=upcast)
         attention = "matmul" if self.eager else "reduction"  # eagerly the reduction materialises products
         prefill = MatmulPlan(packed=cpu and cpu_matmul_dtype(dtype) in PACKED_PREFILL_DTYPES, upcast=upcast)
         plans = {
@@ -226,7 +229,7 @@ class CompilePolicy:
             "more": StepPlan("more", decode, attention),
             "prefill": StepPlan("prefill", prefill, attention),
         }
-        return plans, few_rows, few.matvec
+        return plans, few_rows
 
     def mark_kv_cache(self, caches: list[Tensor]) -> None:
         if self.eager:
@@ -263,10 +266,11 @@ class CompilePolicy:
         return self.plans[self._decode_kind(rows) if decode_only else "prefill"]
 
     def head_plan(self, rows: int) -> MatmulPlan:
-        """How the LM head multiplies `rows` rows: a few reduce where the step's layers would, except on a
-        packed head, where one weight read for all rows beats one a row from two rows on."""
+        """How the LM head multiplies `rows` rows, whatever the step (a prefill's few sampled rows too): a
+        few reduce where a decode step's layers would, except on a packed head, where one weight read for
+        all rows beats one a row from two rows on, and which is then the head's matmul from two rows on."""
         packed = getattr(self.model.output, "prepacked", None) is not None
-        few = self.few_reduce and rows <= self.few_rows and not packed
+        few = self.plans["few"].linear.matvec and rows <= self.few_rows and not packed
         return self.plans["one" if rows == 1 or few else "more"].linear
 
     def _decode_kind(self, rows: int) -> str:
@@ -280,7 +284,7 @@ class CompilePolicy:
         if block is not None and block is not call_module:  # guard-free: nothing traces, no flags needed
             return self.model(token_ids, positions, meta, plan, self.calls._replace(block=block))
         with flags():
-            if block is None and plan.decode:
+            if block is None and plan.decode and self.decode_forward is not None:
                 return self.decode_forward(token_ids, positions, meta, plan)
             return self.model(token_ids, positions, meta, plan, self.calls)
 

@@ -7,7 +7,7 @@ runner looks it up once and calls it directly from then on. This reads Dynamo's 
 Inductor's compiled module, which are not public API: it is used only on the torch versions it was
 verified on (`SUPPORTED`), and each direct call path is kept only after a self-check on the lookup's
 arguments. Layers that differ in what their graph was specialised on each keep their own (LayerGraphs).
-The compile policy imports this module only where it exists: a torch it does not know drops the file.
+The compile policy imports this module only where it exists: a torch upgrade it breaks deletes the file.
 """
 
 from __future__ import annotations

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import operator
 
+import pytest
 import torch
 
 from compiled import compile_policy
 from compiled.compile_policy import CUDA_GRAPH_RUNS, CompilePolicy
 from compiled.input_batch import InputBatch
+from compiled.models import linear
+from compiled.plan import MatmulPlan
 from server.bench.driver import RunnerDriver, build_runner
 
 CUDA = torch.device("cuda")
@@ -127,3 +130,34 @@ def test_every_warmup_step_fits_a_batch_of_one_sequence(tiny_llama, monkeypatch)
         batch = InputBatch(1, runner.max_blocks_per_seq, runner.block_size, policy.device)
         plan = policy.warmup_shapes(batch, runner.max_model_len)
         assert plan and all(batch.decode_rows(s.num_single) == 1 for s in plan)
+
+
+@pytest.mark.parametrize("fast_bf16", [True, False], ids=["bf16-cpu", "no-bf16-cpu"])
+def test_each_kind_of_step_has_the_plan_its_device_and_dtype_call_for(tiny_llama, monkeypatch, fast_bf16):
+    """bfloat16 on packed weights: where the CPU lacks bfloat16 arithmetic every matmul multiplies in
+    float32, the few-row ones on the weights as stored; on CUDA nothing is packed, upcast or weight-left."""
+    monkeypatch.setattr(linear, "CPU_HAS_FAST_BF16", fast_bf16)
+    runner = build_runner(tiny_llama, dtype="bfloat16", max_num_seqs=4, num_kv_blocks=16, enforce_eager=True)
+    assert runner.model.layers[0].attention.wqkv.prepacked is not None
+    cpu = CompilePolicy(runner.model, torch.device("cpu"), enforce_eager=False, dtype=torch.bfloat16)
+    plans = {kind: plan.linear for kind, plan in cpu.plans.items()}
+    upcast = not fast_bf16
+    assert plans["one"] == MatmulPlan(matvec=True)
+    assert plans["more"] == MatmulPlan(packed=True, weight_left=True, upcast=upcast)
+    assert plans["few"] == (
+        MatmulPlan(matvec=True) if fast_bf16 else MatmulPlan(weight_left=True, upcast=True)
+    )
+    assert plans["prefill"] == MatmulPlan(packed=fast_bf16, upcast=upcast)
+    assert cpu.few_rows == 2 and cpu.plan(2, decode_only=True).kind == "few"
+    assert cpu.head_plan(1) == plans["one"] and cpu.head_plan(2) == plans["more"]  # the head is packed
+    cuda, _ = cuda_policy(runner, monkeypatch)
+    assert {kind: plan.linear for kind, plan in cuda.plans.items()} == {
+        "one": MatmulPlan(matvec=True),
+        "few": MatmulPlan(matvec=True),
+        "more": MatmulPlan(packed=True),  # nothing is packed on CUDA: F.linear
+        "prefill": MatmulPlan(),
+    }
+    assert cuda.few_rows == 1
+    eager = CompilePolicy(runner.model, torch.device("cpu"), enforce_eager=True, dtype=torch.bfloat16)
+    assert eager.plans["one"].linear == eager.plans["more"].linear == plans["more"]
+    assert {plan.decode_attention for plan in eager.plans.values()} == {"matmul"}

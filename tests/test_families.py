@@ -45,12 +45,13 @@ def test_compiled_greedy_matches_transformers(family):
     torch._dynamo.reset()  # graphs other tests compiled count against Dynamo's recompile limit
     runner = build_runner(family, dtype="float32", max_num_seqs=4, num_kv_blocks=64, block_size=16)
     runner.initialize_kv_cache(64)
+    runner.warmup()
     poison_kv_cache(runner)
     torch.manual_seed(4)
     prompts = [torch.randint(0, 320, (n,)).tolist() for n in (45, 9, 30, 17)]
-    assert (
-        greedy_mismatches(runner, hf_model(family), prompts, batch_tokens=24, tail_tokens=40, chunk=20) == []
-    )
+    with torch._dynamo.config.patch(error_on_recompile=True):  # every graph of every kind of layer is warm
+        mismatches = greedy_mismatches(runner, hf_model(family), prompts, 24, tail_tokens=40, chunk=20)
+    assert mismatches == []
     # Gemma's local and global layers run graphs of their own (guard-free, each verified).
     kinds = {len({id(g) for g in layers.graphs.values()}) for layers in runner.policy.decode_graphs.values()}
     assert kinds == ({2} if "gemma2" in family else {1})

@@ -22,7 +22,8 @@ def _cpu_has_fast_bf16() -> bool:
     return bool(re.search(r"\b(amx_bf16|avx512_bf16)\b", flags))
 
 
-# Blocks of its rows a weight is reduced in by one-row products, side by side, an accumulator each.
+# Blocks of its rows a weight is reduced in by one-row products, side by side, an accumulator each
+# (measured on CPUs; CUDA takes the same, unmeasured).
 ROW_BLOCKS = 4
 # AMX or AVX-512-BF16: this CPU computes bfloat16 natively. A constant, so that traced code reads a bool.
 CPU_HAS_FAST_BF16 = _cpu_has_fast_bf16()

@@ -115,7 +115,8 @@ def test_a_sliding_window_matches_transformers_past_the_window(tmp_path):
 
 
 def test_bfloat16_decode_matches_transformers(tiny_llama):
-    """bfloat16 decode graphs: one sequence (matrix-vector reductions), then two (matmuls)."""
+    """bfloat16 decode graphs: one sequence, then two (matrix-vector reductions for both where the CPU
+    computes bfloat16, a few rows being of their own kind)."""
     torch.manual_seed(2)
     torch._dynamo.reset()  # graphs other tests compiled count against Dynamo's recompile limit
     runner = build_runner(tiny_llama, dtype="bfloat16", max_num_seqs=4, num_kv_blocks=64)

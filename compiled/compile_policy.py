@@ -168,10 +168,10 @@ class CompilePolicy:
         self.decode_forward: Callable[..., Tensor] | None = None
         self.decode_graphs: dict[str, Callable] = {}  # kind of decode step -> how its layers run
         self.calls, self.head = OWN_CALLS, call_module  # how the step's ends and the LM head run
-        self.plans, self.few_rows = self._plans(dtype)
+        quantized = any(isinstance(m, quant.PackedWeight) for m in model.modules())
+        self.plans, self.few_rows = self._plans(dtype, quantized)
         if enforce_eager:
             return
-        quantized = any(isinstance(m, quant.PackedWeight) for m in model.modules())
         options = dict(INDUCTOR_FLAGS)
         if device.type == "cpu":
             options.update(CPU_THREADS_FOLLOW_LOAD)
@@ -206,7 +206,7 @@ class CompilePolicy:
             # keep Dynamo's guarded calls. The shared-memory all-reduce is a plain custom op.
             self.decode_forward = self._decode_guard_free
 
-    def _plans(self, dtype: torch.dtype) -> tuple[dict[str, StepPlan], int]:
+    def _plans(self, dtype: torch.dtype, quantized: bool) -> tuple[dict[str, StepPlan], int]:
         """The plan of each kind of step, and `few_rows`: decode steps of at most that many rows are "few",
         whose linears reduce row by row or (float32 on packed weights) multiply the weights as stored."""
         model, cpu = self.model, self.device.type == "cpu"
@@ -215,7 +215,7 @@ class CompilePolicy:
         few_rows, few = 1, MatmulPlan(matvec=True)
         if not self.eager and cpu:
             packed = any(getattr(m, "prepacked", None) is not None for m in model.layers.modules())
-            if any(isinstance(m, quant.PackedWeight) for m in model.modules()):
+            if quantized:
                 few_rows = FEW_QUANTIZED_ROWS
             elif cpu_matmul_dtype(dtype) != torch.float32:
                 few_rows = FEW_HALF_ROWS_PACKED if packed else FEW_HALF_ROWS

@@ -246,7 +246,7 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, attention: AttentionBackend) -> None:
         """`attention`: the device's attention backend (compiled/attention.py)."""
         super().__init__()
-        self.args, self.attention_backend = args, attention
+        self.args = args
         self.split = parallel.Split.of(args)
         self.tok_embeddings = nn.Embedding(self.split.vocab, args.dim)  # this rank's rows of the vocabulary
         windows = args.windows or (0,) * args.n_layers
@@ -309,7 +309,7 @@ class Transformer(nn.Module):
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
         for layer in self.layers:
-            layer.attention.k_cache, layer.attention.v_cache = self.attention_backend.new_kv_cache(
+            layer.attention.k_cache, layer.attention.v_cache = layer.attention.backend.new_kv_cache(
                 num_blocks, block_size, self.split.kv_heads, self.args.head_dim, dtype
             )
 

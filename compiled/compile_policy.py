@@ -248,18 +248,18 @@ class CompilePolicy:
             return []
         chunk, context = min(WARMUP_CHUNK, max_model_len - 1), min(WARMUP_CONTEXT, max_model_len)
         rows = min(2, batch.buckets[-1])  # decode rows beside the chunks: padded to two either way
-        prefill = [WarmupStep(rows, (chunk,), context, 1)]  # on CPU a lone chunk is padded to two
+        prefill = [WarmupStep(rows, (chunk,), context, 1)]  # a lone chunk is padded to two
         if self.device.type != "cuda":
             # A graph per kind of decode step (one row, a few, more); their width is a dynamic size.
             kinds = {self._decode_kind(b): b for b in reversed(batch.buckets)}
             return [WarmupStep(b, (), context, 1) for b in sorted(kinds.values())] + prefill
-        # Each (bucket, width class) is a CUDA graph of its own, captured here; a lone chunk has a graph too.
+        # Each (bucket, width class) is a CUDA graph of its own, captured here.
         graphs = [
             WarmupStep(b, (), min(w * batch.block_size, max_model_len), CUDA_GRAPH_RUNS)
             for b in batch.buckets
             for w in batch.decode_widths()
         ]
-        return graphs + prefill + [WarmupStep(rows, (chunk, 2), context, 1)]
+        return graphs + prefill
 
     def plan(self, rows: int, decode_only: bool) -> StepPlan:
         """The plan of a step of `rows` tokens, every one a single query where `decode_only`."""

@@ -68,24 +68,18 @@ def gguf_tensors(path: str) -> tuple[dict, list[tuple[str, str, int, list[int], 
     version, n_tensors, n_kv = read("I"), read("Q"), read("Q")
     if version < 2:
         raise ValueError(f"{path}: GGUF version {version} is not supported")
-    meta = {}
-    for _ in range(n_kv):
-        key = string()
-        meta[key] = value(read("I"))
+    meta = {string(): value(read("I")) for _ in range(n_kv)}  # a key is read before its value
     infos = []
     for _ in range(n_tensors):
         name, dims = string(), read("I")
-        shape = [read("Q") for _ in range(dims)]
-        infos.append((name, shape, read("I"), read("Q")))
+        infos.append((name, [read("Q") for _ in range(dims)], read("I"), read("Q")))
     align = meta.get("general.alignment", 32)
     start = -(-pos // align) * align
     ends = sorted([off for *_, off in infos] + [len(data) - start])
     tensors = []
     for name, shape, kind, off in infos:
-        end = ends[ends.index(off) + 1]
-        tensors.append(
-            (name, _GGUF_TYPES.get(kind, f"type {kind}"), kind, shape, data[start + off : start + end])
-        )
+        type_name, end = _GGUF_TYPES.get(kind, f"type {kind}"), ends[ends.index(off) + 1]
+        tensors.append((name, type_name, kind, shape, data[start + off : start + end]))
     return meta, tensors
 
 
@@ -119,8 +113,7 @@ def _weights(
 
 
 def read_gguf(path: str, args: ModelArgs, family: ModelFamily) -> dict[str, torch.Tensor | Quantized]:
-    """A GGUF file's tensors under HF names: Q4_0, Q4_1 and Q8_0 blocks kept as they are, other block
-    types de-quantized (logged), float tensors as float32."""
+    """A GGUF file's tensors under HF names, as `_weights` gives them; de-quantized block types are logged."""
     meta, tensors = gguf_tensors(path)
     state: dict[str, torch.Tensor | Quantized] = {}
     fallback: dict[str, list[str]] = {}

@@ -137,11 +137,9 @@ class InputBatch:
         for cached in so.cached_reqs:
             state = self.requests[cached.req_id]
             if cached.new_block_ids:
-                n = len(cached.new_block_ids)
-                self.block_table[state.row, state.num_blocks : state.num_blocks + n] = torch.tensor(
-                    cached.new_block_ids, dtype=torch.int64
-                )
-                state.num_blocks += n
+                n, ids = state.num_blocks, torch.tensor(cached.new_block_ids, dtype=torch.int64)
+                self.block_table[state.row, n : n + len(ids)] = ids
+                state.num_blocks += len(ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     def decode_rows(self, num_singles: int) -> int:
@@ -163,9 +161,8 @@ class InputBatch:
     ) -> tuple[list[CachedRequestState], list[CachedRequestState]]:
         """The scheduled requests with one query (in schedule order), then those with a multi-token chunk."""
         states = [self.requests[rid] for rid in num_scheduled]
-        return [s for s in states if num_scheduled[s.req_id] == 1], [
-            s for s in states if num_scheduled[s.req_id] > 1
-        ]
+        singles = [s for s in states if num_scheduled[s.req_id] == 1]
+        return singles, [s for s in states if num_scheduled[s.req_id] > 1]
 
     def prepare(
         self,
@@ -185,20 +182,21 @@ class InputBatch:
         sampled: list[CachedRequestState] = []
         prompt_rows: list[tuple[CachedRequestState, int, int, int]] = []
 
-        def score_prompt(s: CachedRequestState, row: int, start: int, n: int) -> None:
+        # Rows for tokens start .. start + n - 1 of `s`, noting those that score prompt tokens and
+        # whether the last one is sampled.
+        def add(s: CachedRequestState, start: int, n: int) -> None:
             k = min(start + n, s.num_prompt_tokens - 1) - start  # positions followed by a prompt token
             if k > 0 and s.sampling_params.prompt_logprobs is not None:
-                prompt_rows.append((s, row, start, k))
-
-        for s in singles:
-            pos = s.num_computed_tokens
-            rows.append(s.row)
-            positions.append(pos)
-            token_ids.append(s.token_ids[pos])
-            score_prompt(s, len(token_ids) - 1, pos, 1)
-            if pos + 1 == len(s.token_ids):
+                prompt_rows.append((s, len(token_ids), start, k))
+            rows.extend([s.row] * n)
+            positions.extend(range(start, start + n))
+            token_ids.extend(s.token_ids[start : start + n])
+            if start + n == len(s.token_ids):
                 logits_index.append(len(token_ids) - 1)
                 sampled.append(s)
+
+        for s in singles:
+            add(s, s.num_computed_tokens, 1)
         rows += [self.null_row] * n_pad
         positions += [0] * n_pad
         token_ids += [0] * n_pad
@@ -206,47 +204,23 @@ class InputBatch:
         seq_lens = [p + 1 for p in positions]
         dec_width = self.decode_width(max(seq_lens, default=1))
 
-        query_index: list[list[int]] = []
-        query_pos: list[list[int]] = []
-        chunk_lens = [num_scheduled[s.req_id] for s in chunks]
-        q_max = max(chunk_lens, default=2)
         pre_width = 2
-        for s, n in zip(chunks, chunk_lens):
-            start, first = s.num_computed_tokens, len(token_ids)
-            score_prompt(s, first, start, n)
-            rows += [s.row] * n
-            positions += range(start, start + n)
-            token_ids += s.token_ids[start : start + n]
-            query_index.append(list(range(first, first + n)) + [first] * (q_max - n))
-            query_pos.append(list(range(start, start + n)) + [0] * (q_max - n))
-            pre_width = max(pre_width, cdiv(start + n, bs))
-            if start + n == len(s.token_ids):
-                logits_index.append(len(token_ids) - 1)
-                sampled.append(s)
-        out_index = [p * q_max + j for p, n in enumerate(chunk_lens) for j in range(n)]
+        for s in chunks:
+            add(s, s.num_computed_tokens, num_scheduled[s.req_id])
+            pre_width = max(pre_width, cdiv(s.num_computed_tokens + num_scheduled[s.req_id], bs))
         chunk_rows = [s.row for s in chunks]
-        chunk_spans = [(s.num_computed_tokens, n) for s, n in zip(chunks, chunk_lens)]
-        if len(chunks) == 1 and self.device.type == "cpu":
-            # Likewise two chunks at least, on CPU, whose attention skips an empty one (on the null row).
+        chunk_spans = [(s.num_computed_tokens, num_scheduled[s.req_id]) for s in chunks]
+        if len(chunks) == 1:  # likewise two chunks at least, whose attention skips an empty one
             chunk_rows.append(self.null_row)
             chunk_spans.append((0, 0))
-            query_index.append([0] * q_max)
-            query_pos.append([0] * q_max)
 
-        rows_a, pos_a, table, put = (
-            np.array(rows),
-            np.array(positions),
-            self.block_table.numpy(),
-            self.inputs.put,
-        )
+        rows_a, pos_a = np.array(rows), np.array(positions)
+        table, put = self.block_table.numpy(), self.inputs.put
         meta = AttentionMetadata(
             slot_mapping=put("slot_mapping", table[rows_a, pos_a // bs] * bs + pos_a % bs),
             decode_block_tables=put("decode_block_tables", table[rows_a[:num_dec], :dec_width]),
             decode_seq_lens=put("decode_seq_lens", seq_lens),
             prefill_block_tables=put("prefill_block_tables", table[chunk_rows, :pre_width]),
-            prefill_query_index=put("prefill_query_index", np.array(query_index).reshape(-1, q_max)),
-            prefill_query_pos=put("prefill_query_pos", np.array(query_pos).reshape(-1, q_max)),
-            prefill_out_index=put("prefill_out_index", out_index),
             prefill_chunks=put("prefill_chunks", np.array(chunk_spans).reshape(-1, 2)),
         )
         return StepBatch(

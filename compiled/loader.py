@@ -36,17 +36,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     """'auto': bfloat16 where the hardware computes it fast (CUDA, AMX or AVX-512-BF16 CPUs), else float32."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {
-        "float32": torch.float32,
-        "fp32": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "bf16": torch.bfloat16,
-        "float16": torch.float16,
-        "fp16": torch.float16,
-        "half": torch.float16,
-    }
-    if dtype in names:
-        return names[dtype]
+    name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}.get(dtype, dtype)
+    if name in ("float32", "bfloat16", "float16"):
+        return getattr(torch, name)
     if dtype != "auto":
         raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
     if device.type == "cuda":
@@ -73,16 +65,14 @@ def convert_state_dict(hf: dict[str, torch.Tensor], family: ModelFamily) -> dict
         if name.endswith("rotary_emb.inv_freq"):
             continue
         for ours, pattern, order in family.hf_fused:
-            m = re.match(pattern, name)
-            if m:
+            if m := re.match(pattern, name):
                 key = m.expand(ours) + name[m.end() :]
                 parts.setdefault(key, (order, {}))[1][m.group(2)] = tensor
                 break
         else:
             out[renamed(name, family.hf_names) or name] = tensor
     for key, (order, pieces) in parts.items():
-        missing = [p for p in order if p not in pieces]
-        if missing:
+        if missing := [p for p in order if p not in pieces]:
             raise ValueError(f"checkpoint has an incomplete fused weight {key}: missing {missing}")
         out[key] = _cat(key, [pieces[p] for p in order])
     return out
@@ -104,25 +94,28 @@ def read_safetensors(model_dir: str) -> dict[str, torch.Tensor]:
     return state
 
 
+def _set(model: nn.Module, name: str, value: nn.Module | nn.Parameter) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent), attr, value)
+
+
 def _place(model: Transformer, name: str, value: torch.Tensor | Quantized, dtype, device) -> None:
-    module_name, _, attr = name.rpartition(".")
+    module_name = name.rpartition(".")[0]
     module = model.get_submodule(module_name)
     if isinstance(value, Quantized) and value.q.shape[0] % TILE:
         rows = len(value.q)
         logger.warning("%s: %d rows do not fill tiles of %d; computing it de-quantized", name, rows, TILE)
         value = value.dequantize()
     if not isinstance(value, Quantized):
-        setattr(module, attr, nn.Parameter(value.to(device=device, dtype=dtype), requires_grad=False))
+        _set(model, name, nn.Parameter(value.to(device=device, dtype=dtype), requires_grad=False))
         return
     packed = PackedWeight(value).to(device)
-    parent_name, _, child = module_name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
     if isinstance(module, nn.Embedding):
-        setattr(parent, child, QuantEmbedding(packed, dtype))
+        _set(model, module_name, QuantEmbedding(packed, dtype))
         if model.args.tie_word_embeddings:
             model.output = QuantLinear(packed, None)
     else:  # its bias, if any, is placed after it
-        setattr(parent, child, QuantLinear(packed, None))
+        _set(model, module_name, QuantLinear(packed, None))
 
 
 def quantize_model(model: Transformer, method: str) -> None:
@@ -130,10 +123,8 @@ def quantize_model(model: Transformer, method: str) -> None:
     only its own tokens' rows, and rounding them cost more perplexity than all the layers together."""
     for name, module in list(model.named_modules()):
         if type(module) is Linear and quantizable(method, module.weight):
-            parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
             packed = PackedWeight(quantize(module.weight, method)).to(module.weight.device)
-            setattr(parent, child, QuantLinear(packed, None if module.bias is None else module.bias.detach()))
+            _set(model, name, QuantLinear(packed, None if module.bias is None else module.bias.detach()))
 
 
 def load_model(
@@ -155,12 +146,10 @@ def load_model(
     args = dataclasses.replace(args, tp_rank=tp_rank, tp_size=tp_size)
     with torch.device("meta"):
         model = family.build(args, backend_for(device))
-    if quantization == "gguf":
-        if gguf_path is None:
-            raise ValueError("quantization gguf needs a .gguf model file")
-        state = convert_state_dict(read_gguf(gguf_path, args, family), family)
-    else:
-        state = convert_state_dict(read_safetensors(model_dir), family)
+    if quantization == "gguf" and gguf_path is None:
+        raise ValueError("quantization gguf needs a .gguf model file")
+    hf = read_gguf(gguf_path, args, family) if quantization == "gguf" else read_safetensors(model_dir)
+    state = convert_state_dict(hf, family)
     if args.tie_word_embeddings:
         state.pop("output.weight", None)
     if tp_size > 1:
@@ -173,8 +162,7 @@ def load_model(
             f"missing {missing[:8]}, unexpected {unexpected[:8]}"
         )
     for name, tensor in state.items():
-        module_name, _, attr = name.rpartition(".")
-        expected_shape = getattr(model.get_submodule(module_name), attr).shape
+        expected_shape = model.get_parameter(name).shape
         shape = tensor.q.shape if isinstance(tensor, Quantized) else tensor.shape
         if tuple(shape) != tuple(expected_shape):
             raise ValueError(

@@ -78,32 +78,24 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_blocks_per_seq = cdiv(self.max_model_len, self.block_size)
         self.batch = InputBatch(config.max_num_seqs, self.max_blocks_per_seq, self.block_size, device)
-        self.num_blocks = 0
         self.policy = CompilePolicy(self.model, device, config.enforce_eager, dtype)
-
-    @property
-    def buckets(self) -> list[int]:
-        return self.batch.buckets
 
     def kv_bytes_per_block(self) -> int:
         a = self.model.args
         return 2 * a.n_layers * self.block_size * self.model.split.kv_heads * a.head_dim * self.dtype.itemsize
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
         self.model.allocate_kv_cache(num_blocks, self.block_size, self.dtype)
         self.policy.mark_kv_cache(
             [c for layer in self.model.layers for c in (layer.attention.k_cache, layer.attention.v_cache)]
         )
-        gib = num_blocks * self.kv_bytes_per_block() / 2**30
-        concurrency = (num_blocks - 1) / self.max_blocks_per_seq
         logger.info(
             "KV cache: %d blocks × %d tokens = %.2f GiB; max concurrency at max_model_len %d: %.2f",
             num_blocks,
             self.block_size,
-            gib,
+            num_blocks * self.kv_bytes_per_block() / 2**30,
             self.max_model_len,
-            concurrency,
+            (num_blocks - 1) / self.max_blocks_per_seq,
         )
 
     def warmup(self) -> None:
@@ -129,17 +121,13 @@ class ModelRunner:
         attends to `context` keys."""
         greedy, null = SamplingParams(temperature=0.0), self.batch.null_row
         ctx = min(context, self.max_model_len)
-        singles = [
-            CachedRequestState(f"dummy{i}", [0] * ctx, ctx, greedy, 0, null, 0, ctx - 1)
-            for i in range(num_single)
-        ]
-        chunks = [
-            CachedRequestState(f"dummy{num_single + i}", [0] * n, n, greedy, 0, null, 0, 0)
-            for i, n in enumerate(chunk_lens)
-        ]
-        scheduled = {
-            s.req_id: (1 if i < num_single else len(s.token_ids)) for i, s in enumerate(singles + chunks)
-        }
+
+        def dummy(i: int, n: int, computed: int) -> CachedRequestState:
+            return CachedRequestState(f"dummy{i}", [0] * n, n, greedy, 0, null, 0, computed)
+
+        singles = [dummy(i, ctx, ctx - 1) for i in range(num_single)]
+        chunks = [dummy(num_single + i, n, 0) for i, n in enumerate(chunk_lens)]
+        scheduled = {s.req_id: 1 for s in singles} | {s.req_id: len(s.token_ids) for s in chunks}
         self._run(self.batch.prepare(singles, chunks, scheduled))
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:

@@ -163,15 +163,8 @@ class Split:
     @classmethod
     def of(cls, args: Any) -> Split:
         """The split a ModelArgs (compiled/models/llama.py) names with its tp_rank and tp_size."""
-        return cls(
-            args.tp_rank,
-            args.tp_size,
-            args.n_heads,
-            args.n_kv_heads,
-            args.head_dim,
-            args.intermediate_size,
-            args.vocab_size,
-        )
+        names = ("n_heads", "n_kv_heads", "head_dim", "intermediate_size", "vocab_size")
+        return cls(args.tp_rank, args.tp_size, *(getattr(args, n) for n in names))
 
     @property
     def heads(self) -> int:
@@ -205,46 +198,32 @@ class Split:
     def _part(self, name: str, value: Tensor | Quantized) -> Tensor | Quantized:
         hd, r = self.head_dim, self.rank
         if ".wqkv." in name:
-            q0, k0 = r * self.heads * hd, self.n_heads * hd + self.first_kv_head() * hd
-            v0 = k0 + self.n_kv_heads * hd
-            index = torch.cat(
-                [
-                    torch.arange(q0, q0 + self.heads * hd),
-                    torch.arange(k0, k0 + self.kv_heads * hd),
-                    torch.arange(v0, v0 + self.kv_heads * hd),
-                ]
-            )
-            return _rows(value, index)
+            q, kv = self.heads * hd, self.kv_heads * hd
+            k0 = self.n_heads * hd + self.first_kv_head() * hd
+            return _rows(value, (r * q, q), (k0, kv), (k0 + self.n_kv_heads * hd, kv))
         if ".w13." in name:
-            i, n = self.intermediate_size, self.intermediate
-            return _rows(
-                value, torch.cat([torch.arange(r * n, (r + 1) * n), torch.arange(i + r * n, i + (r + 1) * n)])
-            )
+            n = self.intermediate
+            return _rows(value, (r * n, n), (self.intermediate_size + r * n, n))
         if name.endswith(("wo.weight", "w2.weight")):
             n = self.heads * hd if ".wo." in name else self.intermediate
             return _columns(name, value, r * n, (r + 1) * n)
         if name.endswith("wo.bias"):  # added once: the ranks' partial sums are added up after it
             return value if r == 0 else torch.zeros_like(value)
         if name in ("tok_embeddings.weight", "output.weight"):
-            return _rows(
-                value, torch.arange(self.vocab_start, self.vocab_start + self.vocab), self.vocab_size
-            )
+            return _rows(value, (self.vocab_start, self.vocab), limit=self.vocab_size)
         return value  # norms: every rank needs them whole
 
 
-def _rows(value: Tensor | Quantized, index: Tensor, limit: int | None = None) -> Tensor | Quantized:
-    """Rows `index` of a weight; indices at or past `limit` are padding rows of zeros."""
-    valid = None if limit is None else index < limit
-    if valid is not None:
-        index = index.clamp(max=limit - 1)
-    if not isinstance(value, Tensor):
-        part = value.rows(index)
-        if valid is not None:
-            part.scale[~valid], part.min[~valid] = 0.0, 0.0
-        return part
-    part = value[index]
-    if valid is not None:
-        part[~valid] = 0
+def _rows(value: Tensor | Quantized, *spans: tuple[int, int], limit: int | None = None) -> Tensor | Quantized:
+    """The rows of a weight in spans of (start, count); rows at or past `limit` are padding rows of zeros."""
+    index = torch.cat([torch.arange(start, start + n) for start, n in spans])
+    if limit is not None:
+        pad, index = index >= limit, index.clamp(max=limit - 1)
+    part = value[index] if isinstance(value, Tensor) else value.rows(index)
+    if limit is not None and isinstance(part, Tensor):
+        part[pad] = 0
+    elif limit is not None:
+        part.scale[pad], part.min[pad] = 0.0, 0.0
     return part
 
 

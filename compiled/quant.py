@@ -15,6 +15,7 @@ larger decode batches) de-quantize the weight slice by slice for the matmul.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -52,8 +53,7 @@ class Quantized:
         return self.q.shape[1] // self.scale.shape[1]
 
     def stored(self) -> tuple[Tensor, Tensor]:
-        """Fields and mins as the packed form keeps them: 8-bit fields signed (q - 128, int8), as Q8_0
-        defines them, their mins shifted to match; 4-bit ones as they are."""
+        """Fields and mins as packed: 8-bit fields signed (q - 128) as in Q8_0, mins shifted to match."""
         if self.bits != 8:
             return self.q, self.min
         return (self.q.to(torch.int16) - 128).to(torch.int8), self.min + 128 * self.scale
@@ -72,13 +72,8 @@ class Quantized:
         first = parts[0]
         if any(p.bits != first.bits or p.group != first.group for p in parts):
             return None
-        return Quantized(
-            torch.cat([p.q for p in parts]),
-            torch.cat([p.scale for p in parts]),
-            torch.cat([p.min for p in parts]),
-            first.bits,
-            first.kind,
-        )
+        q, scale, mn = (torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "min"))
+        return Quantized(q, scale, mn, first.bits, first.kind)
 
 
 # ---- from GGUF blocks ----------------------------------------------------------------------------
@@ -89,18 +84,18 @@ GGUF_BLOCK = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # bytes per block of 32 weigh
 def from_gguf(kind: str, data: np.ndarray, rows: int, cols: int) -> Quantized:
     """A GGUF tensor's blocks ([rows, bytes per row] uint8) as fields, scales and mins, exactly."""
     blocks = np.ascontiguousarray(data).reshape(rows, cols // 32, GGUF_BLOCK[kind])
-    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+
+    def half(at: int) -> Tensor:  # the float16 at byte `at` of every block, as float32
+        return torch.from_numpy(blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32))
+
+    d = half(0)
     if kind == "Q8_0":
         q = torch.from_numpy((blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8))
         return Quantized(q.reshape(rows, cols), d, -128 * d, 8, kind)
     start = 4 if kind == "Q4_1" else 2
     packed = torch.from_numpy(blocks[..., start:].copy())  # byte j: element j (low), j + 16 (high)
     q = torch.cat([packed & 15, packed >> 4], dim=-1).reshape(rows, cols)
-    if kind == "Q4_1":
-        m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
-    else:
-        m = -8 * d
-    return Quantized(q, d, m, 4, kind)
+    return Quantized(q, d, half(2) if kind == "Q4_1" else -8 * d, 4, kind)
 
 
 # ---- from float weights ----------------------------------------------------------------------------
@@ -213,8 +208,7 @@ class PackedWeight(nn.Module):
         return y.permute(1, 0, 2).reshape(m, -1)
 
     def _matvec_bytes(self, x: Tensor) -> Tensor:
-        """`matvec` on 8-bit fields: per group of a row, sum(fields * x), then scaled (plus min * sum_x
-        where the format has a min)."""
+        """`matvec` on 8-bit fields: per group of a row, scale * sum(fields * x) (+ min * sum(x) if any)."""
         m, (tiles, _, lanes), groups = x.shape[0], self.words.shape, self.scale.shape[1]
         xf = inductor_prims.force_stride_order(x.float(), x.stride()).view(1, m, groups, self.group, 1)
         fields = self.words.float().view(tiles, 1, groups, self.group, lanes)
@@ -226,12 +220,7 @@ class PackedWeight(nn.Module):
 
 
 def dequantize_kn(
-    words: Tensor,
-    scale: Tensor,
-    mn: Tensor | None,
-    bits: int,
-    group: int,
-    dtype: torch.dtype = torch.float32,
+    words: Tensor, scale: Tensor, mn: Tensor | None, bits: int, group: int, dtype: torch.dtype = torch.float32
 ) -> Tensor:
     """Packed tiles de-quantized and transposed, [K, rows]. The kernel loops over (column, tile, lane),
     so every load and store is a whole tile row; indexed by flat (column, row) instead, Inductor
@@ -262,8 +251,7 @@ def slice_product(
 
 
 def offset(bits: int) -> float:
-    """A symmetric format's min in scales of its stored fields: 4-bit fields are unsigned (min -8 scales),
-    8-bit ones signed (min 0)."""
+    """A symmetric format's min in scales of its stored fields: -8 for unsigned 4-bit, 0 for signed 8-bit."""
     return 0.0 if bits == 8 else float(-(1 << (bits - 1)))
 
 
@@ -339,8 +327,5 @@ class QuantEmbedding(nn.Module):
 
 def describe(modules: list[nn.Module]) -> str:
     """'Q4_1 x120, Q8_0 x1' for the log line at start."""
-    kinds: dict[str, int] = {}
-    for m in modules:
-        if isinstance(m, PackedWeight):
-            kinds[m.kind] = kinds.get(m.kind, 0) + 1
+    kinds = Counter(m.kind for m in modules if isinstance(m, PackedWeight))
     return ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))

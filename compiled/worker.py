@@ -24,7 +24,7 @@ from engine.step import ModelRunnerOutput, SchedulerOutput
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(name)
 
 
@@ -50,11 +50,8 @@ class Worker:
             self.threads = CpuThreads()
         if size > 1:
             parallel.init(rank, size, device)
-        if (
-            rank == 0
-            and gguf_file is not None
-            and not os.path.exists(os.path.join(model_dir, "model.safetensors"))
-        ):
+        weights = os.path.join(model_dir, "model.safetensors")
+        if rank == 0 and gguf_file is not None and not os.path.exists(weights):
             convert_gguf(gguf_file, model_dir)
         if size > 1:
             parallel.barrier()  # the other ranks read what rank 0 converted
@@ -204,11 +201,8 @@ def main() -> None:
                 outputs.send(encoder.encode(m.WorkerReply(rank, result)))
             else:
                 worker = Worker(msg.config, msg.model_dir, msg.gguf_file, rank)
-                r = worker.runner
-                ready = m.WorkerReady(
-                    rank, worker.config, r.max_model_len, worker.dtype, worker.device, r.vocab_size
-                )
-                outputs.send(encoder.encode(ready))
+                info = (worker.config, worker.max_model_len, worker.dtype, worker.device, worker.vocab_size)
+                outputs.send(encoder.encode(m.WorkerReady(rank, *info)))
     except Exception as e:
         logging.getLogger("kiln.worker").exception("worker %d failed", rank)
         outputs.send(encoder.encode(m.WorkerReply(rank, error=f"{type(e).__name__}: {e}")))

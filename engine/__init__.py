@@ -2,19 +2,16 @@
 the engine core (scheduler, KV-cache manager, block pool). Nothing here imports torch: the worker is
 reached by name (engine/executor.py), so a server or `LLM` process never pays for it."""
 
+import importlib
+
 from engine.params import SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams"]
+# The front ends pull in the client and tokenizer stack; import them only when asked for.
+_LAZY = {"LLM": "engine.llm", "AsyncLLM": "engine.async_llm"}
 
 
 def __getattr__(name: str):
-    # The front ends pull in the client and tokenizer stack; import them only when asked for.
-    if name == "LLM":
-        from engine.llm import LLM
-
-        return LLM
-    if name == "AsyncLLM":
-        from engine.async_llm import AsyncLLM
-
-        return AsyncLLM
-    raise AttributeError(name)
+    if name not in _LAZY:
+        raise AttributeError(name)
+    return getattr(importlib.import_module(_LAZY[name]), name)

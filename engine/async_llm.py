@@ -136,16 +136,14 @@ class AsyncLLM(FrontEnd):
             updates, to_abort = self.output_processor.process_outputs(outputs[start : start + OUTPUT_CHUNK])
             self.client.abort_requests(to_abort)
             for out in updates:
-                queue = self.queues.get(out.request_id)
-                if queue is not None:
+                if (queue := self.queues.get(out.request_id)) is not None:
                     queue.put(out)
 
     def _on_lost(self, message: str, core_ids: list[str]) -> None:
         """A data-parallel core died: end the requests it held; the other cores serve on."""
         for rid in {self.output_processor.core_to_request.get(cid) for cid in core_ids} - {None}:
             self.output_processor.abort(rid)
-            queue = self.queues.get(rid)
-            if queue is not None:
+            if (queue := self.queues.get(rid)) is not None:
                 queue.put(EngineDeadError(message))
 
     def _on_dead(self, message: str) -> None:
@@ -160,9 +158,8 @@ class AsyncLLM(FrontEnd):
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> RequestStream:
-        """Admit a request now and return its stream: a full front end (EngineOverloadedError), a bad
-        prompt, an id in use or a dead core fail here, before a caller has answered anything. `prompt`
-        may be a request `process` validated already."""
+        """Admit a request (or one `process` validated) and return its stream: a full front end
+        (EngineOverloadedError), a bad prompt, an id in use or a dead core fail here, before any reply."""
         self._ensure_reader()
         if self.dead:  # the process is checked now: the reader may not have seen it die yet
             raise EngineDeadError(self.dead)
@@ -209,8 +206,7 @@ class AsyncLLM(FrontEnd):
 
     async def abort(self, request_id: str) -> None:
         self.client.abort_requests(self.output_processor.abort(request_id))
-        queue = self.queues.get(request_id)
-        if queue is not None:
+        if (queue := self.queues.get(request_id)) is not None:
             queue.put(asyncio.CancelledError(f"request {request_id} aborted"))
 
     async def get_stats(self) -> dict:

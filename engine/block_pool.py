@@ -40,11 +40,8 @@ class KVCacheBlock:
 
 
 class FreeBlockQueue:
-    """Doubly linked list of free blocks with head/tail sentinels.
-
-    A plain deque cannot drop a block from the middle in O(1), which a prefix-cache hit on a free
-    block needs; the sentinels spare every operation its empty-list special cases.
-    """
+    """Doubly linked list of free blocks with head/tail sentinels: a prefix-cache hit on a free block
+    must leave it in O(1), which a deque cannot do, and the sentinels spare the empty-list cases."""
 
     __slots__ = ("head", "num_free", "tail")
 
@@ -86,12 +83,10 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """All KV blocks of one cache. Knows nothing about requests or block sizes.
-
-    Prefix-cache counters are in tokens: ``prefix_cache_queries`` counts the tokens looked up,
-    ``prefix_cache_hits`` the tokens found (the KV-cache manager records them). They only ever grow,
-    even across ``reset_prefix_cache()``, so they can feed monotonic metrics.
-    """
+    """All KV blocks of one cache; knows nothing about requests or block sizes. The prefix-cache counters
+    (the KV-cache manager records them) are in tokens: ``prefix_cache_queries`` looked up,
+    ``prefix_cache_hits`` found. They only ever grow, even across ``reset_prefix_cache()``, so they can
+    feed monotonic metrics."""
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 2:
@@ -115,26 +110,18 @@ class BlockPool:
         return 1.0 - self.free_block_queue.num_free / (self.num_blocks - 1)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Pop ``num_blocks`` blocks off the head of the free queue, each with ref_cnt 1.
-
-        A popped block that still carries a hash is evicted from the prefix cache here.
-        """
-        queue = self.free_block_queue
+        """Pop ``num_blocks`` blocks off the free queue's head, each with ref_cnt 1; a popped block that
+        still carries a hash is evicted from the prefix cache here."""
+        queue, table = self.free_block_queue, self.cached_block_hash_to_block
         if num_blocks > queue.num_free:
             raise ValueError(f"cannot get {num_blocks} blocks: only {queue.num_free} free")
-        blocks = []
-        for _ in range(num_blocks):
-            block = queue.popleft()
-            if block.block_hash is not None:
-                self._evict(block)
+        blocks = [queue.popleft() for _ in range(num_blocks)]
+        for block in blocks:
+            if table.get(block.block_hash) is block:  # an unhashed block's None is no key
+                del table[block.block_hash]
+            block.block_hash = None
             block.ref_cnt = 1
-            blocks.append(block)
         return blocks
-
-    def _evict(self, block: KVCacheBlock) -> None:
-        if self.cached_block_hash_to_block.get(block.block_hash) is block:
-            del self.cached_block_hash_to_block[block.block_hash]
-        block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference on each block (a prefix-cache hit); a free one leaves the queue."""

@@ -115,66 +115,53 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     ] = 4096
 
     def __post_init__(self) -> None:
-        budget = self.max_num_batched_tokens
-        checks = [
-            (
-                self.block_size in (None, 8, 16, 32, 64, 128),
-                "block_size",
-                "must be one of 8, 16, 32, 64, 128",
-            ),
-            (self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1"),
-            (self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1"),
-            (self.data_parallel_size >= 1, "data_parallel_size", "must be at least 1"),
-            (
-                self.worker_address is None or re.fullmatch(r"tcp://[^:/]+:\d+", self.worker_address),
-                "worker_address",
-                "must be tcp://HOST:PORT",
-            ),
-            (
-                self.engine_core_addresses is None
-                or all(re.fullmatch(r"tcp://[^:/,]+:\d+", a) for a in self.engine_core_addresses.split(",")),
-                "engine_core_addresses",
-                "must be tcp://HOST:PORT, comma-separated",
-            ),
-            (
-                self.engine_core_addresses is None or self.data_parallel_size == 1,
-                "data_parallel_size",
-                "must be 1 with engine_core_addresses (each address is one engine core)",
-            ),
-            (self.usage in ("offline", "serving"), "usage", "must be offline or serving"),
-            (budget is None or budget >= 1, "max_num_batched_tokens", "must be at least 1"),
-            (self.step_stretch == 0 or self.step_stretch >= 1, "step_stretch", "must be 0 or at least 1"),
-            (self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be at least 2"),
-            (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]"),
-            (0.0 < self.cpu_kv_cache_fraction < 1.0, "cpu_kv_cache_fraction", "must be in (0, 1)"),
-            (
-                self.quantization in ("none", "gguf", "int8", "int4"),
-                "quantization",
-                "must be none, gguf, int8 or int4",
-            ),
-            (
-                self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
-                "device",
-                "must be auto, cpu or cuda",
-            ),
-        ]
-        for ok, field, message in checks:
+        def check(ok: object, field: str, message: str) -> None:
             if not ok:
                 raise ValueError(f"{field} {message} (got {getattr(self, field)!r})")
 
+        tcp = re.compile(r"tcp://[^:/]+:\d+").fullmatch
+        budget, addresses = self.max_num_batched_tokens, self.engine_core_addresses
+        check(
+            self.block_size in (None, 8, 16, 32, 64, 128), "block_size", "must be one of 8, 16, 32, 64, 128"
+        )
+        check(self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1")
+        check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")
+        check(self.data_parallel_size >= 1, "data_parallel_size", "must be at least 1")
+        ok = self.worker_address is None or tcp(self.worker_address)
+        check(ok, "worker_address", "must be tcp://HOST:PORT")
+        ok = addresses is None or all(map(tcp, addresses.split(",")))
+        check(ok, "engine_core_addresses", "must be tcp://HOST:PORT, comma-separated")
+        ok = addresses is None or self.data_parallel_size == 1
+        check(
+            ok, "data_parallel_size", "must be 1 with engine_core_addresses (each address is one engine core)"
+        )
+        check(self.usage in ("offline", "serving"), "usage", "must be offline or serving")
+        check(budget is None or budget >= 1, "max_num_batched_tokens", "must be at least 1")
+        check(self.step_stretch == 0 or self.step_stretch >= 1, "step_stretch", "must be 0 or at least 1")
+        check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be at least 2")
+        check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
+        check(0.0 < self.cpu_kv_cache_fraction < 1.0, "cpu_kv_cache_fraction", "must be in (0, 1)")
+        check(
+            self.quantization in ("none", "gguf", "int8", "int4"),
+            "quantization",
+            "must be none, gguf, int8 or int4",
+        )
+        check(
+            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+            "device",
+            "must be auto, cpu or cuda",
+        )
+
     def resolved(self, on_cuda: bool) -> EngineConfig:
-        """This config with its None step limits and block size filled in for its usage and the device the
-        engine runs on."""
+        """This config with its None step limits and block size filled in for its usage and the device."""
         offline = self.usage == "offline"
         # Offline, wider decode batches finish a batch sooner; serving, each step holds every running stream's
         # next token, and a wider step holds them longer.
         seqs = self.max_num_seqs or (256 if offline else 64)
-        budget = self.max_num_batched_tokens
-        if budget is None:
-            # A CPU step is slow per prompt token; serving, a burst of prompts goes in steps of 2048 (as in
-            # vLLM's CPU backend); without chunked prefill a prompt must fit one step.
-            budget = (4096 if offline else 2048) if self.enable_chunked_prefill and not on_cuda else 8192
-            budget = max(budget, seqs)  # room for every sequence's decode
+        # A CPU step is slow per prompt token; serving, a burst of prompts goes in steps of 2048 (as in
+        # vLLM's CPU backend); without chunked prefill a prompt must fit one step.
+        budget = (4096 if offline else 2048) if self.enable_chunked_prefill and not on_cuda else 8192
+        budget = self.max_num_batched_tokens or max(budget, seqs)  # room for every sequence's decode
         decoding = self.max_num_batched_tokens_decoding
         serving = self.usage == "serving" and self.enable_chunked_prefill
         if decoding is None:
@@ -204,21 +191,16 @@ def cli_fields() -> dict[str, tuple[type, object, str]]:
     defaults = EngineConfig()
     fields = {}
     for name in EngineConfig.__struct_fields__:
-        meta = next(
-            (m for m in getattr(hints[name], "__metadata__", ()) if isinstance(m, msgspec.Meta)), None
-        )
-        if meta is not None:
+        if metas := [m for m in getattr(hints[name], "__metadata__", ()) if isinstance(m, msgspec.Meta)]:
             base = hints[name].__origin__
             kind = next((t for t in getattr(base, "__args__", (base,)) if t is not type(None)), base)
-            fields[name] = (kind, getattr(defaults, name), meta.description)
+            fields[name] = (kind, getattr(defaults, name), metas[0].description)
     return fields
 
 
 def tensor_parallel_error(n_heads: int, n_kv_heads: int, intermediate_size: int, size: int) -> str | None:
     """Why a model cannot be split across `size` ranks (None when it can): each rank takes whole query
     heads and an equal share of the MLP, and either whole KV heads or one KV head replicated."""
-    if size == 1:
-        return None
     if n_heads % size:
         return f"its {n_heads} attention heads cannot be divided among tensor_parallel_size={size} ranks"
     if n_kv_heads % size and size % n_kv_heads:

@@ -81,7 +81,5 @@ class Coordinator:
             lru.clear()
 
     def _cached_blocks(self, core: int, hashes: list[bytes]) -> int:
-        lru, n = self.prefixes[core], 0
-        while n < len(hashes) and hashes[n] in lru:
-            n += 1
-        return n
+        lru = self.prefixes[core]
+        return next((n for n, h in enumerate(hashes) if h not in lru), len(hashes))

@@ -1,10 +1,9 @@
 """The engine core: a busy loop in its own process that owns the scheduler and the KV cache.
 
-Each iteration: drain new requests and aborts → Scheduler.schedule() → Executor.execute_model()
-→ Scheduler.update_from_output() → send outputs. With nothing to do it blocks on its input socket.
-The front end starts it as `python -m engine.core IN OUT PID` (a fresh interpreter, never a fork), or
-it runs headless on another host (`kiln serve --headless`) and the front end connects to it; either way
-the front end sends StartCore first, and every message is msgpack (engine/messages.py).
+Each iteration: drain new requests and aborts → Scheduler.schedule() → Executor.execute_model() →
+Scheduler.update_from_output() → send outputs; with nothing to do it blocks on its input socket. A front end
+starts it (`python -m engine.core IN OUT PID`, a fresh interpreter, never a fork) or connects to it headless
+on another host (`kiln serve --headless`); either way StartCore comes first, and every message is msgpack.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig
-from engine.executor import StepResult, import_worker_module, make_executor
+from engine.executor import StepResult, make_executor, worker_class
 from engine.messages import (
     AbortRequests,
     CoreFailed,
@@ -85,11 +84,8 @@ class EngineCore:
             ),
             structured=self.structured,
         )
-        self.step_budget = (
-            StepBudget(c.step_stretch, c.max_num_batched_tokens_decoding, c.max_num_batched_tokens)
-            if c.step_stretch
-            else None
-        )
+        budget = (c.step_stretch, c.max_num_batched_tokens_decoding, c.max_num_batched_tokens)
+        self.step_budget = StepBudget(*budget) if c.step_stretch else None
         self.scheduled_time: dict[str, float] = {}
         self.in_flight: tuple[SchedulerOutput, StepResult] | None = None  # async_scheduling's last step
         self._tokens = [0, 0]  # prompt, generation tokens since the last stats line
@@ -159,13 +155,9 @@ class EngineCore:
         return outputs
 
     def _measure_step(self, so: SchedulerOutput, seconds: float) -> None:
-        chunks = sum(n for n in so.num_scheduled_tokens.values() if n > 1)
-        rows = sum(n == 1 for n in so.num_scheduled_tokens.values())
-        self.step_budget.observe(rows, chunks, seconds)
-        sched = self.scheduler
-        sched.config.max_num_batched_tokens_decoding = self.step_budget.tokens(
-            len(sched.running), sched.num_waiting
-        )
+        s, sizes = self.scheduler, so.num_scheduled_tokens.values()
+        self.step_budget.observe(sum(n == 1 for n in sizes), sum(n for n in sizes if n > 1), seconds)
+        s.config.max_num_batched_tokens_decoding = self.step_budget.tokens(len(s.running), s.num_waiting)
 
     def stats(self) -> dict:
         return dataclasses.asdict(self.scheduler.stats())
@@ -219,7 +211,7 @@ class EngineCoreProc:
 
     def run(self) -> None:
         try:
-            import_worker_module()  # seconds of imports that overlap the front end's own start
+            worker_class().prepare()  # seconds of imports that overlap the front end's own start
             start = self.decoder.decode(self.input.recv())
             if not isinstance(start, StartCore):
                 raise RuntimeError(f"expected StartCore first, got {type(start).__name__}")
@@ -234,12 +226,10 @@ class EngineCoreProc:
         self.send(self.core.ready_message(self.engine_index))
         try:
             while True:
-                busy = self.core.has_work()
                 # Idle: block until something arrives. Busy: take only what is already queued.
-                if not self._drain_inputs(block=not busy):
+                if not self._drain_inputs(block=not self.core.has_work()):
                     return
-                outputs = self.core.step()
-                if outputs:
+                if outputs := self.core.step():
                     self._send_outputs(outputs)
         except Exception as e:
             logger.exception("engine core failed")
@@ -252,23 +242,20 @@ class EngineCoreProc:
         """Apply every pending input; False once asked to shut down."""
         outputs: list[EngineCoreOutput] = []
         if self.monitor is not None:
-            while block and not self.input.poll(POLL_MS):
-                if self.monitor.poll(0):
-                    break
+            while block and not self.input.poll(POLL_MS) and not self.monitor.poll(0):
+                pass  # wait for input, or for the front end to leave
             if self.monitor.poll(0):
                 logger.info("the front end left: stopping")
                 return False
         flags = 0 if block else zmq.NOBLOCK
         while True:
             try:
-                frame = self.input.recv(flags)
+                msg = self.decoder.decode(self.input.recv(flags))
             except zmq.Again:
                 break
             flags = zmq.NOBLOCK
-            msg = self.decoder.decode(frame)
             if isinstance(msg, EngineCoreRequest):
-                rejected = self.core.add_request(msg)
-                if rejected is not None:
+                if (rejected := self.core.add_request(msg)) is not None:
                     outputs.append(rejected)
             elif isinstance(msg, AbortRequests):
                 outputs.extend(self.core.abort_requests(msg.request_ids))
@@ -285,17 +272,13 @@ class EngineCoreProc:
         self.send(EngineCoreOutputs(outputs, self.engine_index, usage))
 
     def _utility(self, call: UtilityCall) -> UtilityResult:
-        if call.method not in EngineCore.UTILITIES:
-            return UtilityResult(
-                call.call_id, error=f"unknown utility {call.method!r}", engine_index=self.engine_index
-            )
-        try:
-            result = getattr(self.core, call.method)(*call.args)
-            return UtilityResult(call.call_id, result, engine_index=self.engine_index)
-        except Exception as e:  # a failed utility call must not take the engine down
-            return UtilityResult(
-                call.call_id, error=f"{type(e).__name__}: {e}", engine_index=self.engine_index
-            )
+        result, error = None, f"unknown utility {call.method!r}"
+        if call.method in EngineCore.UTILITIES:
+            try:
+                result, error = getattr(self.core, call.method)(*call.args), None
+            except Exception as e:  # a failed utility call must not take the engine down
+                error = f"{type(e).__name__}: {e}"
+        return UtilityResult(call.call_id, result, error, self.engine_index)
 
 
 def serve_headless(address: str) -> int:
@@ -333,7 +316,7 @@ def main() -> None:
         # end lives it drains its requests and then stops us itself.
         if os.getppid() != parent:
             sys.exit(0)
-        logging.getLogger("kiln.core").info("SIGTERM: the front end will stop the engine once it has drained")
+        logger.info("SIGTERM: the front end will stop the engine once it has drained")
 
     signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle

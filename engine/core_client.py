@@ -1,9 +1,8 @@
 """The front end's side of the engine-core IPC: start the core processes, send inputs, receive outputs.
 
-Transport: zmq PUSH/PULL over ipc:// sockets (tcp:// to headless cores on other hosts). Chosen over
-multiprocessing connections because pyzmq has native asyncio sockets (the server's client needs no
-thread), queues in both directions without blocking the busy loop, and carries raw msgpack frames, so
-nothing is ever pickled.
+Transport: zmq PUSH/PULL over ipc:// (tcp:// to headless cores on other hosts), not multiprocessing
+connections: pyzmq has native asyncio sockets (the server's client needs no thread), queues both ways without
+blocking the busy loop, and carries raw msgpack frames, so nothing is ever pickled.
 A local core runs as a fresh `python -m engine.core` process (not a fork); it dies with its parent.
 """
 
@@ -36,8 +35,10 @@ POLL_MS = 200  # how often a waiting client checks that the core process is aliv
 
 
 class CoreProcess:
-    """One engine core as the front end sees it: a process it started, the socket its inputs go out on,
-    and whether it is ready or dead."""
+    """One engine core as the front end sees it: the process it started, its input socket, ready or dead."""
+
+    ready: m.CoreReady | None = None
+    dead: str | None = None
 
     def __init__(self, ctx: zmq.Context, index: int, in_addr: str, out_addr: str) -> None:
         self.index = index
@@ -47,17 +48,12 @@ class CoreProcess:
             [sys.executable, "-m", "engine.core", in_addr, out_addr, str(os.getpid())],
             stdin=subprocess.DEVNULL,
         )
-        self.ready: m.CoreReady | None = None
-        self.dead: str | None = None
 
     def gone(self) -> str | None:
         """Why the core is gone, if it is."""
         if self.proc.poll() is None:
             return None
         return f"process exited unexpectedly (exit code {self.proc.returncode})"
-
-    def running(self) -> bool:
-        return self.gone() is None
 
     def kill(self) -> None:
         _stop(self.proc)
@@ -75,13 +71,10 @@ class RemoteCore(CoreProcess):
         self.monitor = self.input.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.input.connect(address)
         self.proc = None
-        self.ready: m.CoreReady | None = None
-        self.dead: str | None = None
         self.lost = False
 
     def gone(self) -> str | None:
-        if not self.lost and self.monitor.poll(0):
-            self.lost = True
+        self.lost = self.lost or bool(self.monitor.poll(0))
         return f"at {self.address}: its connection dropped" if self.lost else None
 
     def kill(self) -> None:
@@ -96,9 +89,8 @@ class CoreClient:
     fail_together = True
 
     def __init__(self, config: EngineConfig) -> None:
-        """Start the core processes (or connect to the config's headless ones) and return at once: they
-        import torch while we get the model ready. Then `start` sends them the model and `wait_ready`
-        waits for their warm-up."""
+        """Start the cores (or connect to headless ones) and return at once: they import torch while we get
+        the model ready; `start` then sends them the model and `wait_ready` waits for their warm-up."""
         self.ipc_dir = tempfile.mkdtemp(prefix="kiln-")
         out_addr = f"ipc://{self.ipc_dir}/out"
         self.ctx = zmq.Context()
@@ -135,14 +127,13 @@ class CoreClient:
     def send(self, core: CoreProcess, msg) -> None:
         """Queue `msg` for `core`. A PUSH socket blocks while no core is connected, so wait for room
         only while the core process lives: a core that exited (or never connected) is an error here."""
-        self.check_alive()
-        if core.dead:
-            raise EngineDeadError(core.dead)
         frame = self.encoder.encode(msg)
-        while not core.input.poll(POLL_MS, zmq.POLLOUT):
+        while True:
             self.check_alive()
             if core.dead:
                 raise EngineDeadError(core.dead)
+            if core.input.poll(POLL_MS, zmq.POLLOUT):
+                break
         core.input.send(frame, copy=False, flags=zmq.NOBLOCK)
 
     def wait_ready(self, timeout: float = 1800.0) -> m.CoreReady:
@@ -173,8 +164,7 @@ class CoreClient:
             raise EngineDeadError(self.dead)
 
     def _named(self, index: int, message: str) -> str:
-        if message.startswith("engine core "):
-            message = message.removeprefix("engine core ")
+        message = message.removeprefix("engine core ")
         return f"engine core {index} {message}" if len(self.cores) > 1 else f"engine core {message}"
 
     def _core_died(self, core: CoreProcess, message: str) -> None:
@@ -230,19 +220,25 @@ class CoreClient:
                 calls[call.call_id] = core.index
         return calls
 
+    @staticmethod
+    def _result(result: m.UtilityResult) -> Any:
+        if result.error:
+            raise RuntimeError(result.error)
+        return result.result
+
     def shutdown(self) -> None:
         """Stop the core processes and release the sockets; safe to call more than once."""
         stopping = []
         for core in self.cores:
-            if core.running() and core.ready is None:  # still starting: nothing to finish cleanly
+            if not core.gone() and core.ready is None:  # still starting: nothing to finish cleanly
                 core.kill()
-            elif core.running():
+            elif not core.gone():
                 with contextlib.suppress(zmq.ZMQError):
                     core.input.send(self.encoder.encode(m.Shutdown()), flags=zmq.NOBLOCK)
                     stopping.append(core)
         deadline = time.monotonic() + 5
         for core in stopping:
-            while core.running() and time.monotonic() < deadline:
+            while not core.gone() and time.monotonic() < deadline:
                 time.sleep(0.01)
         self._finalizer()
         if self.dead is None:
@@ -256,8 +252,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _release(procs: list[subprocess.Popen], ctx: zmq.Context, ipc_dir: str) -> None:
-    """Stop the core processes that still run (a clean stop is `shutdown`'s) and close every socket
-    without lingering."""
+    """Kill the core processes still running (a clean stop is `shutdown`'s); close every socket at once."""
     for proc in procs:
         _stop(proc)
     if not ctx.closed:
@@ -298,13 +293,7 @@ class SyncCoreClient(CoreClient):
             self.check_alive()
             if self.output.poll(POLL_MS):
                 self._receive(self.decoder.decode(self.output.recv()))
-        results = {}
-        for call_id, index in calls.items():
-            result = self._results.pop(call_id)
-            if result.error:
-                raise RuntimeError(result.error)
-            results[index] = result.result
-        return results
+        return {index: self._result(self._results.pop(call_id)) for call_id, index in calls.items()}
 
 
 class AsyncCoreClient(CoreClient):
@@ -329,15 +318,11 @@ class AsyncCoreClient(CoreClient):
                         call = self._calls.pop(msg.call_id, None)
                         if call is not None and not call[1].done():
                             call[1].set_result(msg)
-                    else:
-                        outputs = self._apply(msg)
-                        if outputs:
-                            await on_outputs(outputs)
+                    elif outputs := self._apply(msg):
+                        await on_outputs(outputs)
                 self.check_alive()
                 while self.lost:
                     on_lost(*self.lost.pop(0))
-        except asyncio.CancelledError:
-            raise
         except Exception as e:  # the core died, or handling its outputs failed: no request can finish
             if not isinstance(e, EngineDeadError | zmq.ZMQError):
                 logger.exception("handling the engine core's outputs failed")
@@ -357,22 +342,17 @@ class AsyncCoreClient(CoreClient):
                     future.set_exception(EngineDeadError(message))
 
     async def call_utility(self, method: str, *args) -> dict[int, Any]:
-        """Run `method` on every live core; return each one's result by its index (a core that dies
-        meanwhile is left out)."""
+        """Run `method` on every live core; each one's result by its index (less any that die meanwhile)."""
         loop = asyncio.get_running_loop()
-        futures = {}
-        for call_id, index in self._send_utility(method, args).items():
-            futures[index] = loop.create_future()
-            self._calls[call_id] = (index, futures[index])
+        calls = {cid: (i, loop.create_future()) for cid, i in self._send_utility(method, args).items()}
+        self._calls.update(calls)
         results = {}
-        for index, future in futures.items():
+        for index, future in calls.values():
             try:
                 result = await future
             except EngineDeadError:
                 if self.dead:
                     raise
                 continue
-            if result.error:
-                raise RuntimeError(result.error)
-            results[index] = result.result
+            results[index] = self._result(result)
         return results

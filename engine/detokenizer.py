@@ -36,11 +36,8 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
 
     def update(self, new_token_ids: list[int], *, skip_last: bool = False) -> bool:
-        """Add tokens; return True when a stop string ended the sequence.
-
-        skip_last: the last token ended the sequence (EOS or a stop token id) and is not part of
-        the text unless include_stop_str_in_output.
-        """
+        """Add tokens; return True when a stop string ended the sequence. `skip_last`: the last token (EOS
+        or a stop token id) ended it and stays out of the text unless include_stop_str_in_output."""
         for i, token in enumerate(new_token_ids):
             self.num_output_tokens += 1
             if skip_last and i == len(new_token_ids) - 1 and not self.params.include_stop_str_in_output:

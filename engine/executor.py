@@ -35,11 +35,10 @@ POLL_MS = 200  # how often a wait for workers checks that they all live
 logger = logging.getLogger("kiln.core")
 
 
-def import_worker_module() -> None:
-    """Import the worker's module (torch, Dynamo, Inductor) and start its preparations: seconds that can
-    overlap other start-up work."""
+def worker_class() -> type:
+    """The worker class; importing its module (torch, Dynamo, Inductor) takes seconds."""
     module, _, name = WORKER_CLASS.rpartition(".")
-    getattr(importlib.import_module(module), name).prepare()
+    return getattr(importlib.import_module(module), name)
 
 
 def make_executor(config: EngineConfig, model_dir: str, gguf_file: str | None = None) -> Executor:
@@ -52,8 +51,7 @@ class Executor:
     """The worker in this process. Subclasses keep its interface: the properties, then these calls."""
 
     def __init__(self, config: EngineConfig, model_dir: str, gguf_file: str | None = None) -> None:
-        module, _, name = WORKER_CLASS.rpartition(".")
-        self.worker = getattr(importlib.import_module(module), name)(config, model_dir, gguf_file)
+        self.worker = worker_class()(config, model_dir, gguf_file)
         self.config: EngineConfig = self.worker.config  # budgets resolved for the device
         self.max_model_len: int = self.worker.max_model_len
         self.dtype: str = self.worker.dtype
@@ -121,10 +119,8 @@ class MultiprocExecutor(Executor):
         if hf_config.exists():  # a GGUF's first start has none yet: its workers check after converting
             c = json.loads(hf_config.read_text())
             heads = c.get("num_attention_heads", 0)
-            error = tensor_parallel_error(
-                heads, c.get("num_key_value_heads") or heads, c.get("intermediate_size", 0), size
-            )
-            if error:
+            kv_heads = c.get("num_key_value_heads") or heads
+            if error := tensor_parallel_error(heads, kv_heads, c.get("intermediate_size", 0), size):
                 raise ValueError(f"{model_dir} cannot run tensor-parallel: {error}")
         self.ctx = zmq.Context()
         self.ctx.setsockopt(zmq.LINGER, 0)
@@ -146,8 +142,7 @@ class MultiprocExecutor(Executor):
         self.decoder = msgspec.msgpack.Decoder(m.WorkerOutput)
         if not config.worker_address:
             # torch.distributed's rendezvous: as the environment gives it, else a free port here.
-            env = dict(os.environ)
-            env.setdefault("MASTER_ADDR", "127.0.0.1")
+            env = {"MASTER_ADDR": "127.0.0.1", **os.environ}
             env.setdefault("MASTER_PORT", str(free_port(env["MASTER_ADDR"])))
             cmd = [sys.executable, "-m", "compiled.worker", in_addr, out_addr, "--parent", str(os.getpid())]
             self.procs = [
@@ -164,13 +159,10 @@ class MultiprocExecutor(Executor):
         self.config, self.max_model_len, self.vocab_size = ready.config, ready.max_model_len, ready.vocab_size
         self.dtype, self.device = ready.dtype, ready.device
 
-    def _wait_subscribed(self, size: int, address: str | None) -> None:
-        if address:
+    def _wait_subscribed(self, size: int, addr: str | None) -> None:
+        if addr:
             logger.info(
-                "waiting for %d workers at %s (python -m compiled.worker --connect %s)",
-                size,
-                address,
-                address,
+                "waiting for %d workers at %s (python -m compiled.worker --connect %s)", size, addr, addr
             )
         subscribed = 0
         while subscribed < size:

@@ -50,12 +50,8 @@ class FrontEnd:
             raise
         self.config = ready.config
         self.max_model_len = ready.max_model_len
-        self.processor = InputProcessor(
-            self.tokenizer,
-            ready.max_model_len,
-            eos_token_ids(self.model_dir, self.tokenizer),
-            ready.vocab_size,
-        )
+        eos_ids = eos_token_ids(self.model_dir, self.tokenizer)
+        self.processor = InputProcessor(self.tokenizer, ready.max_model_len, eos_ids, ready.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.chat_prompt = self.processor.chat_prompt  # conversation -> prompt token ids
         self._ids = itertools.count()

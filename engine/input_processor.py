@@ -105,18 +105,16 @@ class InputProcessor:
         """Validate `prompt` and build its core requests; sample i of a seeded request uses seed + i."""
         prompt_ids = self.tokenize(prompt)
         params = self.validate(prompt_ids, params)
-        child = params
-        if self.extra_stop_ids:
-            child = msgspec.structs.replace(
-                params, stop_token_ids=[*params.stop_token_ids, *self.extra_stop_ids]
-            )
+        stop_ids = [*params.stop_token_ids, *self.extra_stop_ids]
         reqs = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             # One sample computes the prompt's logprobs: they are the same for all.
             prompt_lp = params.prompt_logprobs if i == 0 else None
-            sample = msgspec.structs.replace(child, n=1, seed=seed, prompt_logprobs=prompt_lp)
+            sample = msgspec.structs.replace(
+                params, n=1, seed=seed, prompt_logprobs=prompt_lp, stop_token_ids=stop_ids
+            )
             reqs.append(
                 EngineCoreRequest(rid, prompt_ids, sample, arrival_time, self.eos_token_id, cache_salt)
             )

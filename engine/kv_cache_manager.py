@@ -19,11 +19,8 @@ _encode = msgspec.msgpack.Encoder().encode
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> bytes:
-    """sha256 over the msgpack encoding of (parent hash, token ids, extra keys).
-
-    msgpack gives one byte string per value (ints in their shortest form, None as nil), so the
-    hash is stable across processes and runs, unlike Python's salted ``hash()``.
-    """
+    """sha256 over the msgpack encoding of (parent hash, token ids, extra keys): one byte string per
+    value, so unlike Python's salted ``hash()`` it is stable across processes and runs."""
     return hashlib.sha256(_encode((parent_hash, token_ids, extra_keys))).digest()
 
 
@@ -62,19 +59,14 @@ class KVCacheManager:
         return self.block_pool.prefix_cache_hits
 
     def update_block_hashes(self, request: Request) -> None:
-        """Extend ``request.block_hashes`` to every full block of ``request.all_token_ids``.
-
-        Incremental: a decode step costs one length comparison, and one sha256 when a block fills.
-        """
+        """Extend ``request.block_hashes`` to every full block of ``request.all_token_ids``; incremental,
+        so a decode step costs one length comparison, and one sha256 when a block fills."""
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """The longest cached run of full blocks from the start of ``request.all_token_ids``.
-
-        Never the whole sequence: at least its last token is left to compute, since computing it is
-        what yields the logits for the next token. Counts the lookup in the prefix-cache counters
-        (each call counts, so a request retried while memory is short is counted again).
-        """
+        """The longest cached run of full blocks from the start of ``request.all_token_ids``, never the
+        whole sequence: computing its last token is what yields the next token's logits. Every call
+        counts in the prefix-cache counters, so a request retried while memory is short counts again."""
         # A request asking for prompt logprobs computes every position: a hit would skip some.
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
@@ -108,20 +100,16 @@ class KVCacheManager:
         step's KV into its pages before any attention of that step reads them.
         """
         rid = request.request_id
-        req_blocks = self.req_to_blocks.get(rid)
-        is_new = req_blocks is None
-        if is_new:
-            req_blocks = []
-        elif new_computed_blocks:
+        is_new = rid not in self.req_to_blocks
+        req_blocks = self.req_to_blocks.get(rid, [])
+        if new_computed_blocks and not is_new:
             raise ValueError(f"request {rid} already holds blocks; cache hits are for new requests only")
         pool = self.block_pool
         num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_new_blocks = -(-num_total // self.block_size) - len(req_blocks) - len(new_computed_blocks)
-        if num_new_blocks > 0 or new_computed_blocks:
+        if num_new_blocks > 0 or new_computed_blocks:  # a decode step within its last block skips this
             # Touching a free cached block takes it out of the free count.
-            num_free = pool.get_num_free_blocks()
-            if new_computed_blocks:
-                num_free -= sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+            num_free = pool.get_num_free_blocks() - sum(b.ref_cnt == 0 for b in new_computed_blocks)
             if num_new_blocks > num_free:
                 return None
         if is_new:
@@ -146,10 +134,8 @@ class KVCacheManager:
         """Release the request's blocks, last block first so it is evicted first. Full blocks keep
         their hashes and stay findable until reused. Idempotent."""
         rid = request.request_id
-        blocks = self.req_to_blocks.pop(rid, None)
         self.num_cached_blocks.pop(rid, None)
-        if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+        self.block_pool.free_blocks(reversed(self.req_to_blocks.pop(rid, [])))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]

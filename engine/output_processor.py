@@ -4,6 +4,7 @@ detokenized incrementally, stop strings applied, and the core ids a stop string 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from engine.detokenizer import IncrementalDetokenizer
@@ -42,19 +43,9 @@ class _RequestState:
         outs = []
         for sample in self.samples.values():
             o = sample.out
-            outs.append(
-                CompletionOutput(
-                    o.index,
-                    o.text,
-                    list(o.token_ids),
-                    None if o.logprobs is None else list(o.logprobs),
-                    o.finish_reason,
-                    o.stop_reason,
-                    o.delta_text,
-                    o.delta_token_ids,
-                    o.delta_logprobs,
-                )
-            )
+            # The lists that grow in place are copied; the deltas are handed over and replaced.
+            logprobs = None if o.logprobs is None else list(o.logprobs)
+            outs.append(dataclasses.replace(o, token_ids=list(o.token_ids), logprobs=logprobs))
             o.delta_text, o.delta_token_ids, o.delta_logprobs = "", [], []
         return RequestOutput(
             self.request_id,
@@ -146,9 +137,7 @@ class OutputProcessor:
     def abort(self, request_id: str) -> list[str]:
         """Forget a request; return its core ids that are still running (for the core to abort)."""
         state = self.requests.pop(request_id, None)
-        if state is None:
-            return []
-        live = [cid for cid in state.samples if cid in self.core_to_request]
+        live = [cid for cid in (state.samples if state else ()) if cid in self.core_to_request]
         for cid in live:
             del self.core_to_request[cid]
         return live

@@ -9,10 +9,9 @@ step starts from, and after ``schedule()`` it already counts the step's tokens. 
 still prefilling after a step iff ``num_computed_tokens < num_tokens``; it gets a sampled token in
 ``update_from_output()`` otherwise.
 
-With ``async_scheduling``, step N+1 is scheduled before step N's tokens are back: a sampling step
-leaves an output placeholder, whose position the next step computes all the same (the runner appends
-what it samples to its own tokens). A request that may stop on the pending token, or whose grammar
-must see it, waits for it instead.
+With ``async_scheduling``, step N+1 is scheduled before step N's tokens are back: a sampling step leaves an
+output placeholder, whose position the next step computes all the same (the runner appends what it samples to
+its own tokens). A request that may stop on the pending token, or whose grammar must see it, waits for it.
 
 Preemption is by recompute: the most recently admitted running request gives up its blocks,
 keeps its tokens (prompt and outputs) and goes back to the front of the waiting queue.
@@ -21,6 +20,7 @@ keeps its tokens (prompt and outputs) and goes back to the front of the waiting 
 from __future__ import annotations
 
 import random
+import sys
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -53,10 +53,9 @@ class SchedulerConfig:
     async_scheduling: bool = False  # schedule the next step while the current one runs
 
     def __post_init__(self) -> None:
-        lows = {"max_model_len": 2, "num_blocks": 2, "max_num_seqs": 1, "max_num_batched_tokens": 1,
-                "block_size": 1, "long_prefill_token_threshold": 0,
-                "max_num_batched_tokens_decoding": 0, "settling_tokens": 0}  # fmt: skip
-        for name, low in lows.items():
+        lows = dict(max_model_len=2, num_blocks=2, max_num_seqs=1, max_num_batched_tokens=1, block_size=1)
+        counts = ("long_prefill_token_threshold", "max_num_batched_tokens_decoding", "settling_tokens")
+        for name, low in {**lows, **dict.fromkeys(counts, 0)}.items():
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
 
@@ -136,8 +135,8 @@ class Scheduler:
         done: list[Request] = []
         num_waiting = 0
         for rid in request_ids:
-            req = self.requests.get(rid)
-            if req is None or req.status.finished:  # unknown or finished already: idempotent
+            # Unknown or finished already: idempotent.
+            if (req := self.requests.get(rid)) is None or req.status.finished:
                 continue
             num_waiting += req.status != RequestStatus.RUNNING
             req.status = status
@@ -180,9 +179,8 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
-        n_running, n_preempted = len(self.running), self.num_preemptions
-        queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
-        return SchedulerStats(n_running, self.num_waiting, kv.usage, queries, hits, n_preempted)
+        lookups = (kv.prefix_cache_queries, kv.prefix_cache_hits)
+        return SchedulerStats(len(self.running), self.num_waiting, kv.usage, *lookups, self.num_preemptions)
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -194,20 +192,17 @@ class Scheduler:
             for r in self.running
         ):
             budget = min(budget, max(cfg.max_num_batched_tokens_decoding, len(self.running)))
-        full_budget = budget
-        threshold = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0
+        # long_prefill_token_threshold caps a prefill's chunk (with chunked prefill only; 0: no cap).
+        cap = (cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0) or sys.maxsize
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
-        num_scheduled = out.num_scheduled_tokens
         preempted = False
 
         running = self.running
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = min(req.num_known_tokens - req.num_computed_tokens, budget)
-            if threshold and n > threshold:
-                n = threshold
+            n = min(req.num_known_tokens - req.num_computed_tokens, budget, cap)
             if n <= 0 or (req.num_output_placeholders and self._awaits_output(req)):
                 i += 1  # nothing to compute until its sampled token arrives
                 continue
@@ -219,13 +214,10 @@ class Scheduler:
                     break
             if new_blocks is None:  # req preempted itself: it was the last running request
                 break
-            rid = req.request_id
             out.cached_reqs.append(
-                CachedRequestData(rid, [b.block_id for b in new_blocks], req.num_computed_tokens)
+                CachedRequestData(req.request_id, [b.block_id for b in new_blocks], req.num_computed_tokens)
             )
-            num_scheduled[rid] = n
-            req.num_computed_tokens += n
-            self._hold_place(req)
+            self._advance(req, n, out)
             budget -= n
             i += 1
 
@@ -244,47 +236,44 @@ class Scheduler:
                 self._fail(waiting.popleft(), f"structured_outputs: {req.grammar.error}")
                 continue
             computed_blocks, num_hit = kv.get_computed_blocks(req)
-            n = req.num_tokens - num_hit
-            if threshold and n > threshold:
-                n = threshold
+            n = min(req.num_tokens - num_hit, cap)
             if n > budget:
                 # Without chunked prefill the whole rest must fit this step; a request resumed after
                 # preemption may have outgrown the full budget, and only chunking lets it run at all.
                 if not cfg.enable_chunked_prefill and n <= cfg.max_num_batched_tokens:
                     break
                 n = budget
-            new_blocks = kv.allocate_slots(req, n, computed_blocks, num_hit)
-            if new_blocks is None:
+            if kv.allocate_slots(req, n, computed_blocks, num_hit) is None:
                 break
             waiting.popleft()
             running.append(req)
             req.status = RequestStatus.RUNNING
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
-            rid = req.request_id
             out.new_reqs.append(
                 NewRequestData(
-                    rid,
+                    req.request_id,
                     list(req.all_token_ids),  # a copy: the runner may append to its own
                     req.num_prompt_tokens,
                     req.sampling_params,
-                    kv.get_block_ids(rid),
+                    kv.get_block_ids(req.request_id),
                     num_hit,
                     req.seed,
                 )
             )
-            num_scheduled[rid] = n
-            req.num_computed_tokens = num_hit + n
-            self._hold_place(req)
+            req.num_computed_tokens = num_hit
+            self._advance(req, n, out)
             budget -= n
 
         waiting.extendleft(reversed(skipped))
-        out.total_num_scheduled_tokens = full_budget - budget
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         self._grammar_bitmasks(out)
         return out
 
-    def _hold_place(self, req: Request) -> None:
-        """Overlapped scheduling: a step that samples leaves a placeholder for its token."""
+    def _advance(self, req: Request, n: int, out: SchedulerOutput) -> None:
+        """Schedule ``n`` more tokens of ``req`` (async_scheduling: a sampling step leaves a placeholder)."""
+        out.num_scheduled_tokens[req.request_id] = n
+        req.num_computed_tokens += n
         if self.config.async_scheduling and req.num_computed_tokens == req.num_known_tokens:
             req.num_output_placeholders += 1
 
@@ -296,11 +285,8 @@ class Scheduler:
 
     def _grammar_bitmasks(self, out: SchedulerOutput) -> None:
         """The token masks of the constrained requests that sample this step (their chunk ends the prompt)."""
-        sampling = [
-            r
-            for rid in out.num_scheduled_tokens
-            if (r := self.requests[rid]).grammar is not None and r.num_computed_tokens >= r.num_tokens
-        ]
+        scheduled = [self.requests[rid] for rid in out.num_scheduled_tokens]
+        sampling = [r for r in scheduled if r.grammar is not None and r.num_computed_tokens >= r.num_tokens]
         if sampling:
             masks = self.structured.bitmask([r.grammar for r in sampling])
             out.grammar_bitmasks = {r.request_id: row for r, row in zip(sampling, masks)}
@@ -334,14 +320,12 @@ class Scheduler:
         num_waiting = 0  # of the finished: preempted while their step ran (overlapped scheduling only)
         all_logprobs = runner_output.logprobs
         for rid, (start, entries) in runner_output.prompt_logprobs.items():
-            req = self.requests.get(rid)
-            if req is not None and req.prompt_logprobs is not None:
+            if (req := self.requests.get(rid)) is not None and req.prompt_logprobs is not None:
                 req.prompt_logprobs[start : start + len(entries)] = entries
         for i, (rid, token_ids) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
             if not token_ids:  # still prefilling
                 continue
-            req = self.requests.get(rid)
-            if req is None:  # finished or aborted since it was scheduled
+            if (req := self.requests.get(rid)) is None:  # finished or aborted since it was scheduled
                 continue
             first = req.num_output_tokens == 0
             req.num_output_placeholders = max(req.num_output_placeholders - len(token_ids), 0)
@@ -381,16 +365,14 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         sp = req.sampling_params
-        num_output = len(req.output_token_ids)
+        num_output = req.num_output_tokens
         if num_output >= sp.min_tokens:
             if token == req.eos_token_id and not sp.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if token in sp.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if sp.max_tokens is not None and num_output >= sp.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if len(req.all_token_ids) >= self.max_len:
+        if (sp.max_tokens is not None and num_output >= sp.max_tokens) or req.num_tokens >= self.max_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

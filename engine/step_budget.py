@@ -51,12 +51,9 @@ class StepBudget:
     def tokens(self, running: int, waiting: int = 0) -> int:
         """Tokens of a step that carries `running` streams' decodes while `waiting` requests wait."""
         low = max(self.floor, running)
-        costs = self.costs()
-        if costs is None:
-            return min(low, self.cap)
-        fixed, per_row, per_token = costs
+        fixed, per_row, per_token = self.costs() or (0.0, 0.0, 0.0)
         decode_step = fixed + per_row * running
-        if per_token <= 0 or decode_step <= 0:
+        if per_token <= 0 or decode_step <= 0:  # no fit yet, or one that prices nothing
             return min(low, self.cap)
         room = (self.stretch - 1.0) * (1.0 + waiting / max(running, 1)) * decode_step / per_token
         return int(min(self.cap, max(low, running + room)))

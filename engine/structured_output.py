@@ -46,9 +46,7 @@ def grammar_text(so: StructuredOutputsParams) -> str:
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema must be an object")
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORMAT)
-        if kind == "choice":
-            return llguidance.grammar_from("choice", so.choice)
-        return llguidance.grammar_from("regex" if kind == "regex" else "grammar", getattr(so, kind))
+        return llguidance.grammar_from(kind, getattr(so, kind))  # "choice", "regex" or "grammar"
     except ValueError as e:
         raise ValueError(f"structured_outputs.{kind}: {e}") from None
 
@@ -142,9 +140,8 @@ class StructuredOutputManager:
 
     def wait(self, timeout: float) -> None:
         """Block until a compile finishes or `timeout` passes (the core's idle wait while one runs)."""
-        compiling = [f for f in self.cache.values() if not f.done()]
-        if compiling:
-            wait_futures(compiling, timeout, return_when="FIRST_COMPLETED")
+        # With none compiling, wait() returns at once.
+        wait_futures([f for f in self.cache.values() if not f.done()], timeout, return_when="FIRST_COMPLETED")
 
     def bitmask(self, grammars: list[Grammar]) -> np.ndarray:
         """[len(grammars), words] int32: bit t of row i is set iff token t may come next for grammar i."""

@@ -158,16 +158,13 @@ class Routes:
 
     async def tokenizer_info(self, request: Request) -> Response:
         """What a client needs to tokenize as the server does (lm-eval's remote tokenizer reads it)."""
-        tok = self.s.llm.tokenizer
+        tok, optional = self.s.llm.tokenizer, ("bos_token", "eos_token", "pad_token", "chat_template")
         return json_response(
             TokenizerInfoResponse(
                 tokenizer_class=type(tok).__name__,
                 model_max_length=self.s.llm.max_model_len,
                 vocab_size=self.s.llm.processor.vocab_size,
-                bos_token=getattr(tok, "bos_token", None),
-                eos_token=getattr(tok, "eos_token", None),
-                pad_token=getattr(tok, "pad_token", None),
-                chat_template=getattr(tok, "chat_template", None),
+                **{k: getattr(tok, k, None) for k in optional},
             )
         )
 
@@ -219,8 +216,7 @@ class _APIKeyMiddleware:
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-    return APIError(exc.status_code, f"{message}: {request.method} {request.url.path}").response()
+    return APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}").response()
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:

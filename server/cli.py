@@ -8,16 +8,16 @@ import sys
 
 from engine.config import cli_fields
 
+MODEL_HELP = "HF directory or .gguf file (default: the embedded SmolLM2)"
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags, named as vLLM names them: one per EngineConfig field with command-line help."""
     g = parser.add_argument_group("engine")
     for name, (kind, default, text) in cli_fields().items():
         flag = "--" + name.replace("_", "-")
-        if kind is bool:
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
-        else:
-            g.add_argument(flag, type=kind, default=default, help=text)
+        typed = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}
+        g.add_argument(flag, default=default, help=text, **typed)
 
 
 def engine_args(args: argparse.Namespace) -> dict:
@@ -28,12 +28,9 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     """The engine flags of `args` that differ from the defaults, as `kiln serve` takes them."""
     flags = []
     for name, (_, default, _) in cli_fields().items():
-        value = getattr(args, name)
-        if value != default:
-            flag = "--" + name.replace("_", "-")
-            flags += (
-                [flag] if value is True else ["--no-" + flag[2:]] if value is False else [flag, str(value)]
-            )
+        if (value := getattr(args, name)) != default:
+            flag = "--" + ("no-" if value is False else "") + name.replace("_", "-")
+            flags += [flag] if isinstance(value, bool) else [flag, str(value)]
     return flags
 
 
@@ -96,13 +93,7 @@ def add_serve_parser(sub) -> None:
     from server.tools import PARSERS
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    serve.add_argument(
-        "model_path",
-        nargs="?",
-        default=None,
-        metavar="MODEL",
-        help="HF directory or .gguf file (default: the embedded SmolLM2)",
-    )
+    serve.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help=MODEL_HELP)
     serve.add_argument("--model", default=None, help="same as MODEL")
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
@@ -163,9 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
     gen = sub.add_parser("generate", help="stream one completion to the terminal")
     gen.add_argument("prompt")
-    gen.add_argument(
-        "--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2)"
-    )
+    gen.add_argument("--model", default=None, help=MODEL_HELP)
     gen.add_argument("--max-tokens", type=int, default=256)
     gen.add_argument("--temperature", type=float, default=0.7)
     gen.add_argument("--seed", type=int, default=None)
@@ -191,8 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except ValueError as e:
-        parser.error(str(e))
-        return 2
+        parser.error(str(e))  # exits with status 2
 
 
 if __name__ == "__main__":

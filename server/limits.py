@@ -6,7 +6,6 @@ cost: counts and sizes first, then tokenizing (server/serving.py), then the engi
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from engine import structured_output
 from engine.errors import EngineOverloadedError
@@ -113,72 +112,52 @@ class RequestLimits:
         mt = max_tokens_param
         stop = [b.stop] if isinstance(b.stop, str) else list(b.stop or [])
         stop_ids = list(b.stop_token_ids or [])
-        checks = [
-            (1 <= n <= MAX_N, "n", f"n must be between 1 and {MAX_N} (got {n})"),
-            (max_tokens is None or max_tokens >= 1, mt, f"{mt} must be at least 1 (got {max_tokens})"),
-            (
-                max_tokens is None or max_tokens <= self.max_model_len,
-                mt,
-                f"{mt}={max_tokens} exceeds the model's context of {self.max_model_len} tokens",
-            ),
-            (
-                logprobs is None or 0 <= logprobs <= MAX_LOGPROBS,
-                "logprobs",
-                f"logprobs must be between 0 and {MAX_LOGPROBS} (got {logprobs})",
-            ),
-            (
-                b.top_k is None or -1 <= b.top_k <= _INT32_MAX,
-                "top_k",
-                f"top_k must be -1, 0 or positive (got {b.top_k})",
-            ),
-            (
-                b.min_tokens is None or 0 <= b.min_tokens <= _INT32_MAX,
-                "min_tokens",
-                f"min_tokens must be non-negative (got {b.min_tokens})",
-            ),
-            (
-                b.seed is None or _INT64_MIN <= b.seed <= _INT64_MAX - MAX_N,
-                "seed",
-                "seed must be a signed 64-bit integer",
-            ),
-            (len(stop) <= MAX_STOP, "stop", f"at most {MAX_STOP} stop strings are allowed"),
-            (
-                all(len(s) <= MAX_STOP_CHARS for s in stop),
-                "stop",
-                f"a stop string may be at most {MAX_STOP_CHARS} characters long",
-            ),
-            (len(stop_ids) <= MAX_STOP, "stop_token_ids", f"at most {MAX_STOP} stop token ids are allowed"),
-            (
-                all(0 <= t <= _INT32_MAX for t in stop_ids),
-                "stop_token_ids",
-                "stop_token_ids must be token ids",
-            ),
-        ]
-        for ok, param, message in checks:
-            if not ok:
-                raise APIError(400, message, param)
-        kwargs: dict[str, Any] = dict(
-            n=n,
-            max_tokens=max_tokens,
-            logprobs=logprobs,
-            stop=stop,
-            stop_token_ids=stop_ids,
-            seed=b.seed,
-            temperature=1.0 if b.temperature is None else b.temperature,
-            top_p=1.0 if b.top_p is None else b.top_p,
-            top_k=b.top_k or 0,
-            min_p=b.min_p or 0.0,
-            presence_penalty=b.presence_penalty or 0.0,
-            frequency_penalty=b.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if b.repetition_penalty is None else b.repetition_penalty,
-            min_tokens=b.min_tokens or 0,
-            ignore_eos=bool(b.ignore_eos),
-            include_stop_str_in_output=bool(b.include_stop_str_in_output),
-            skip_special_tokens=True if b.skip_special_tokens is None else b.skip_special_tokens,
-            structured_outputs=structured_outputs(b),
-        )
+        if not 1 <= n <= MAX_N:
+            raise APIError(400, f"n must be between 1 and {MAX_N} (got {n})", "n")
+        if not (max_tokens is None or max_tokens >= 1):
+            raise APIError(400, f"{mt} must be at least 1 (got {max_tokens})", mt)
+        if not (max_tokens is None or max_tokens <= self.max_model_len):
+            raise APIError(
+                400, f"{mt}={max_tokens} exceeds the model's context of {self.max_model_len} tokens", mt
+            )
+        if not (logprobs is None or 0 <= logprobs <= MAX_LOGPROBS):
+            raise APIError(400, f"logprobs must be between 0 and {MAX_LOGPROBS} (got {logprobs})", "logprobs")
+        if not (b.top_k is None or -1 <= b.top_k <= _INT32_MAX):
+            raise APIError(400, f"top_k must be -1, 0 or positive (got {b.top_k})", "top_k")
+        if not (b.min_tokens is None or 0 <= b.min_tokens <= _INT32_MAX):
+            raise APIError(400, f"min_tokens must be non-negative (got {b.min_tokens})", "min_tokens")
+        if not (b.seed is None or _INT64_MIN <= b.seed <= _INT64_MAX - MAX_N):
+            raise APIError(400, "seed must be a signed 64-bit integer", "seed")
+        if len(stop) > MAX_STOP:
+            raise APIError(400, f"at most {MAX_STOP} stop strings are allowed", "stop")
+        if not all(len(s) <= MAX_STOP_CHARS for s in stop):
+            raise APIError(400, f"a stop string may be at most {MAX_STOP_CHARS} characters long", "stop")
+        if len(stop_ids) > MAX_STOP:
+            raise APIError(400, f"at most {MAX_STOP} stop token ids are allowed", "stop_token_ids")
+        if not all(0 <= t <= _INT32_MAX for t in stop_ids):
+            raise APIError(400, "stop_token_ids must be token ids", "stop_token_ids")
+        structured = structured_outputs(b)
         try:
-            return SamplingParams(**kwargs)
+            return SamplingParams(
+                n=n,
+                max_tokens=max_tokens,
+                logprobs=logprobs,
+                stop=stop,
+                stop_token_ids=stop_ids,
+                seed=b.seed,
+                temperature=1.0 if b.temperature is None else b.temperature,
+                top_p=1.0 if b.top_p is None else b.top_p,
+                top_k=b.top_k or 0,
+                min_p=b.min_p or 0.0,
+                presence_penalty=b.presence_penalty or 0.0,
+                frequency_penalty=b.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if b.repetition_penalty is None else b.repetition_penalty,
+                min_tokens=b.min_tokens or 0,
+                ignore_eos=bool(b.ignore_eos),
+                include_stop_str_in_output=bool(b.include_stop_str_in_output),
+                skip_special_tokens=True if b.skip_special_tokens is None else b.skip_special_tokens,
+                structured_outputs=structured,
+            )
         except ValueError as e:
             raise bad_param(e) from None
 

@@ -13,19 +13,13 @@ MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte <-> printable-character table that byte-level BPE vocabularies are written in."""
-    bs = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
 
 
 class TokenStrings:
@@ -66,42 +60,32 @@ class TokenStrings:
     ) -> tuple[CompletionLogprobs, int]:
         """/v1/completions' logprobs for these tokens, their text offsets counted from `offset`; and the
         offset after them. A None entry (an echoed prompt's first token, which nothing precedes) is null."""
-        tokens: list[str] = []
-        token_lps: list[float | None] = []
-        tops: list[dict[str, float] | None] = []
-        offsets: list[int] = []
+        out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         for tid, entry_lp in zip(token_ids, logprobs):
-            text = self.text(tid)
-            tokens.append(text)
-            if entry_lp is None:
-                token_lps.append(None)
-                tops.append(None)
-            else:
-                lp, top = entry_lp
-                token_lps.append(_clamp(lp))
-                entry = {self.text(t): _clamp(v) for t, v in top}
-                entry.setdefault(text, _clamp(lp))
-                tops.append(entry)
-            offsets.append(offset)
+            text, lp, top = self.text(tid), None, None
+            if entry_lp is not None:
+                lp, top = _clamp(entry_lp[0]), {self.text(t): _clamp(v) for t, v in entry_lp[1]}
+                top.setdefault(text, lp)
+            out.tokens.append(text)
+            out.token_logprobs.append(lp)
+            out.top_logprobs.append(top)
+            out.text_offset.append(offset)
             offset += len(self.bytes(tid).decode("utf-8", errors="ignore"))
-        return CompletionLogprobs(
-            tokens=tokens, token_logprobs=token_lps, top_logprobs=tops, text_offset=offsets
-        ), offset
+        return out, offset
 
     def chat_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs]) -> ChatLogprobs:
-        content = []
-        for tid, (lp, top) in zip(token_ids, logprobs):
-            content.append(
-                ChatLogprobToken(
-                    token=self.text(tid),
-                    logprob=_clamp(lp),
-                    bytes=list(self.bytes(tid)),
-                    top_logprobs=[
-                        TopLogprob(token=self.text(t), logprob=_clamp(v), bytes=list(self.bytes(t)))
-                        for t, v in top
-                    ],
-                )
+        content = [
+            ChatLogprobToken(
+                token=self.text(tid),
+                logprob=_clamp(lp),
+                bytes=list(self.bytes(tid)),
+                top_logprobs=[
+                    TopLogprob(token=self.text(t), logprob=_clamp(v), bytes=list(self.bytes(t)))
+                    for t, v in top
+                ],
             )
+            for tid, (lp, top) in zip(token_ids, logprobs)
+        ]
         return ChatLogprobs(content=content)
 
 

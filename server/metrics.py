@@ -76,47 +76,23 @@ class ServerMetrics:
         )
         self.prompt_tokens = Counter("kiln:prompt_tokens", "Prompt tokens processed", label, registry=r)
         self.generation_tokens = Counter("kiln:generation_tokens", "Tokens generated", label, registry=r)
-        self.ttft = Histogram(
-            "kiln:time_to_first_token_seconds",
-            "Time to first token",
-            label,
-            buckets=self.TIME_BUCKETS,
-            registry=r,
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] = self.TIME_BUCKETS) -> Histogram:
+            return Histogram(name, doc, label, buckets=buckets, registry=r)
+
+        self.ttft = histogram("kiln:time_to_first_token_seconds", "Time to first token")
+        self.itl = histogram(
+            "kiln:inter_token_latency_seconds", "Time between output tokens", self.ITL_BUCKETS
         )
-        self.itl = Histogram(
-            "kiln:inter_token_latency_seconds",
-            "Time between output tokens",
-            label,
-            buckets=self.ITL_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "kiln:e2e_request_latency_seconds",
-            "Request latency, arrival to last token",
-            label,
-            buckets=self.TIME_BUCKETS,
-            registry=r,
-        )
-        self.queue_time = Histogram(
-            "kiln:request_queue_time_seconds",
-            "Time from arrival to first scheduled",
-            label,
-            buckets=self.TIME_BUCKETS,
-            registry=r,
-        )
+        self.e2e = histogram("kiln:e2e_request_latency_seconds", "Request latency, arrival to last token")
+        self.queue_time = histogram("kiln:request_queue_time_seconds", "Time from arrival to first scheduled")
         self.engine = EngineStatsCollector(model_name)
         r.register(self.engine)
         # Export every series from the start, at zero, rather than once it first moves.
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)
-        for metric in (
-            self.prompt_tokens,
-            self.generation_tokens,
-            self.ttft,
-            self.itl,
-            self.e2e,
-            self.queue_time,
-        ):
+        timed = (self.ttft, self.itl, self.e2e, self.queue_time)
+        for metric in (self.prompt_tokens, self.generation_tokens, *timed):
             metric.labels(model_name)
 
     def render(self) -> bytes:

@@ -167,6 +167,13 @@ class CompletionLogprobs(msgspec.Struct, kw_only=True):
     text_offset: list[int]
 
 
+class _Response(msgspec.Struct, kw_only=True):  # what every completion body and chunk starts with
+    id: str
+    object: str
+    created: int
+    model: str
+
+
 class CompletionChoice(msgspec.Struct, kw_only=True):
     index: int
     text: str
@@ -178,13 +185,9 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
-class CompletionResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
+class CompletionResponse(_Response, kw_only=True, omit_defaults=True):
     """A whole completion, or one SSE chunk of one (then `usage` is absent except in the last)."""
 
-    id: str
-    object: str
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
@@ -195,10 +198,7 @@ class TopLogprob(msgspec.Struct, kw_only=True):
     bytes: list[int] | None
 
 
-class ChatLogprobToken(msgspec.Struct, kw_only=True):
-    token: str
-    logprob: float
-    bytes: list[int] | None
+class ChatLogprobToken(TopLogprob, kw_only=True):
     top_logprobs: list[TopLogprob]
 
 
@@ -222,11 +222,7 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
-class ChatCompletionResponse(msgspec.Struct, kw_only=True):
-    id: str
-    object: str
-    created: int
-    model: str
+class ChatCompletionResponse(_Response, kw_only=True):
     choices: list[ChatChoice]
     usage: UsageInfo
 
@@ -259,11 +255,7 @@ class ChatChunkChoice(msgspec.Struct, kw_only=True):
     token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
-class ChatCompletionChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
-    id: str
-    object: str
-    created: int
-    model: str
+class ChatCompletionChunk(_Response, kw_only=True, omit_defaults=True):
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
 

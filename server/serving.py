@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from starlette.requests import ClientDisconnect, Request
@@ -35,6 +36,9 @@ from server.protocol import ChatMessage, ToolCall, UsageInfo
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 BODY_TIMEOUT_S = 30.0  # to receive a whole request body
 SHUTTING_DOWN = "the server is shutting down"
+
+
+_decoder = functools.cache(msgspec.json.Decoder)  # one per body type
 
 
 class Disconnected(Exception):
@@ -92,11 +96,9 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-class PromptIds:
-    __slots__ = ("ids", "text")
-
-    def __init__(self, text: str | None, ids: list[int]) -> None:
-        self.text, self.ids = text, ids
+class PromptIds(NamedTuple):
+    text: str | None  # None: the prompt came as token ids
+    ids: list[int]
 
 
 def special_strings(tokenizer) -> list[str]:
@@ -146,7 +148,6 @@ class Serving:
         self.metrics = ServerMetrics(self.model_name)
         self.tokens = TokenStrings(llm.tokenizer)
         self.created = int(time.time())
-        self._decoders: dict[type, msgspec.json.Decoder] = {}
 
     async def read(self, request: Request, cls: type) -> Any:
         """The body decoded as `cls`, whose `model`, if given, must be the one this server serves."""
@@ -175,33 +176,27 @@ class Serving:
             ) from None
         if too_large:
             raise self._too_large()
-        decoder = self._decoders.get(cls)
-        if decoder is None:
-            decoder = self._decoders[cls] = msgspec.json.Decoder(cls)
         try:
-            body = decoder.decode(b"".join(chunks))
+            body = _decoder(cls).decode(b"".join(chunks))
         except msgspec.ValidationError as e:
             raise validation_error(e) from None
         except msgspec.DecodeError as e:
             raise APIError(400, f"request body is not valid JSON: {e}") from None
         except RecursionError:
             raise APIError(400, "request body is not valid JSON: nested too deeply") from None
-        self._check_model(body.model)
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(
+                404,
+                f"the model {short(body.model)} does not exist; this server serves {self.model_name!r}",
+                "model",
+                code="model_not_found",
+            )
         return body
 
     def _too_large(self) -> APIError:
         return APIError(
             413, f"request body exceeds the limit of {self.max_body_bytes} bytes", code="request_too_large"
         )
-
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(
-                404,
-                f"the model {short(model)} does not exist; this server serves {self.model_name!r}",
-                "model",
-                code="model_not_found",
-            )
 
     async def offload(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` on the tokenizing thread: streams keep flowing while a long prompt is tokenized."""
@@ -244,7 +239,6 @@ class Serving:
                 )
             content = msg.content
             if isinstance(content, list):
-                texts = []
                 for j, part in enumerate(content):
                     if part.type != "text" or part.text is None:
                         raise APIError(
@@ -253,8 +247,7 @@ class Serving:
                             f"(got type {short(part.type)})",
                             f"messages[{i}].content",
                         )
-                    texts.append(part.text)
-                content = "\n".join(texts)
+                content = "\n".join(part.text for part in content)  # type: ignore[misc]
             if content is None:
                 if role != "assistant":
                     raise APIError(400, f"messages[{i}].content is required", f"messages[{i}].content")

@@ -160,26 +160,21 @@ class ChatServing:
                     finish_reason = "tool_calls"
             if not has_news(c, text, logprobs, token_ids) and not calls:
                 return None
-            out = ChatChunkChoice(
+            return ChatChunkChoice(
                 index=index,
                 delta=DeltaMessage(content=text or None, tool_calls=calls),
                 logprobs=logprobs,
                 finish_reason=finish_reason,
                 stop_reason=c.stop_reason,
+                token_ids=c.delta_token_ids if token_ids else msgspec.UNSET,
             )
-            if token_ids:
-                out.token_ids = c.delta_token_ids
-            return out
 
         # The role goes first, before any token exists: the client sees the stream open at once.
-        first = [
-            ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-            for i in range(params.n)
-        ]
-        if token_ids:
-            for c in first:
-                c.prompt_token_ids = prompt.ids
-        yield chunk(choices=first)
+        role = DeltaMessage(role="assistant", content="")
+        ids = prompt.ids if token_ids else msgspec.UNSET
+        yield chunk(
+            choices=[ChatChunkChoice(index=i, delta=role, prompt_token_ids=ids) for i in range(params.n)]
+        )
         stream = ChoiceStream([gen], params.n, choice)
         async for choices in stream:
             stats = s.usage([prompt], generated=stream.generated) if continuous_usage else None

@@ -58,20 +58,9 @@ class CompletionServing:
             CompletionResponse, id=rid, object="text_completion", created=int(time.time()), model=s.model_name
         )
         if b.stream:
-            include_usage, continuous = usage_options(b.stream_options)
-            return s.sse(
-                self.chunks(
-                    body,
-                    prompts,
-                    params,
-                    gens,
-                    bool(b.echo),
-                    echo_only,
-                    include_usage,
-                    continuous,
-                    bool(b.return_token_ids),
-                )
-            )
+            usage = usage_options(b.stream_options)
+            echo, token_ids = bool(b.echo), bool(b.return_token_ids)
+            return s.sse(self.chunks(body, prompts, params, gens, echo, echo_only, usage, token_ids))
         finals = await s.until_disconnected(request, s.collect(gens))
         choices = []
         for i, (p, final) in enumerate(zip(prompts, finals)):
@@ -131,11 +120,11 @@ class CompletionServing:
         gens,
         echo: bool,
         echo_only: bool,
-        include_usage: bool,
-        continuous_usage: bool,
+        usage: tuple[bool, bool],  # (in a last chunk, in every chunk)
         token_ids: bool,
     ) -> AsyncIterator[CompletionResponse]:
         s = self.s
+        include_usage, continuous_usage = usage
         started: set[int] = set()
         offsets: dict[int, int] = {}  # text offset of each choice's next logprob
         prompt_logprobs: dict[int, list] = {}  # prompt index -> its logprobs (with its first output)
@@ -163,27 +152,24 @@ class CompletionServing:
             if not has_news(c, text, logprobs, token_ids):
                 return None  # the echo goes out with the first chunk actually sent
             started.add(index)
-            out = CompletionChoice(
+            return CompletionChoice(
                 index=index,
                 text=text,
                 logprobs=logprobs,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
+                prompt_token_ids=prompts[i].ids if token_ids and first else msgspec.UNSET,
+                token_ids=c.delta_token_ids if token_ids else msgspec.UNSET,
             )
-            if token_ids:
-                out.token_ids = c.delta_token_ids
-                if first:
-                    out.prompt_token_ids = prompts[i].ids
-            return out
 
         if params.prompt_logprobs is not None:
             gens = [noting_prompt_logprobs(i, g) for i, g in enumerate(gens)]
         stream = ChoiceStream(gens, params.n, choice)
 
-        def usage():
+        def usage_now():
             return s.usage(prompts, generated=0 if echo_only else stream.generated)
 
         async for choices in stream:
-            yield body(choices=choices, usage=usage() if continuous_usage else None)
+            yield body(choices=choices, usage=usage_now() if continuous_usage else None)
         if include_usage:
-            yield body(choices=[], usage=usage())
+            yield body(choices=[], usage=usage_now())

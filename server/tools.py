@@ -73,15 +73,14 @@ class HermesParser(ToolParser):
         while (start := text.find(self.OPEN, pos)) != -1:
             out.content += text[pos:start]
             end = text.find(self.CLOSE, start)
-            body_end = len(text) if end == -1 else end
             if end == -1 and not final:
                 return out  # a call still being written
+            pos = len(text) if end == -1 else end + len(self.CLOSE)
             call = _call(_object_at(text, start + len(self.OPEN))[0], "arguments")
             if call is None:
-                out.content += text[start : body_end + (0 if end == -1 else len(self.CLOSE))]
+                out.content += text[start:pos]
             else:
                 out.calls.append(call)
-            pos = len(text) if end == -1 else end + len(self.CLOSE)
         tail = text[pos:]
         if not final:  # hold back what may be the start of an opening tag
             tail = tail[: len(tail) - _partial_suffix(tail, self.OPEN)]
@@ -97,8 +96,7 @@ class Llama3JsonParser(ToolParser):
     TAG = "<|python_tag|>"
 
     def parse(self, text: str, final: bool) -> Parsed:
-        body = text.lstrip()
-        body = body.removeprefix(self.TAG).lstrip() if body.startswith(self.TAG) else body
+        body = text.lstrip().removeprefix(self.TAG).lstrip()
         if not body:
             return Parsed(text if final else "")
         if not body.startswith("{"):
@@ -127,8 +125,7 @@ PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3
 
 def default_parser(chat_template: str | None) -> str | None:
     """The parser a chat template's own tool syntax implies, or None."""
-    if not chat_template:
-        return None
+    chat_template = chat_template or ""
     if HermesParser.OPEN in chat_template:
         return HermesParser.name
     if Llama3JsonParser.TAG in chat_template or '"parameters"' in chat_template:
@@ -194,6 +191,7 @@ def plan(b: ChatCompletionRequest, renders_tools: bool, parser_name: str | None)
         schemas[f.name] = f.parameters if f.parameters is not None else {"type": "object"}
     tools = [msgspec.to_builtins(t) for t in b.tools]
     parallel = b.parallel_tool_calls is not False
+    named, forced = None, None  # forced: the JSON schema the output is constrained to
     if isinstance(choice, NamedToolChoice):
         if choice.type != "function" or choice.function.name not in schemas:
             raise APIError(
@@ -201,13 +199,9 @@ def plan(b: ChatCompletionRequest, renders_tools: bool, parser_name: str | None)
                 f"tool_choice names no tool of this request: {short(choice.function.name)}",
                 "tool_choice",
             )
-        return ToolPlan(
-            tools if renders_tools else None,
-            StructuredOutputsParams(json=schemas[choice.function.name]),
-            _ForcedParser(choice.function.name),
-            parallel,
-        )
-    if choice == "required":
+        named = choice.function.name
+        forced = schemas[named]
+    elif choice == "required":
         items = [
             {
                 "type": "object",
@@ -217,15 +211,12 @@ def plan(b: ChatCompletionRequest, renders_tools: bool, parser_name: str | None)
             }
             for name, schema in schemas.items()
         ]
-        array = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
+        forced = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
         if not parallel:
-            array["maxItems"] = 1
-        return ToolPlan(
-            tools if renders_tools else None,
-            StructuredOutputsParams(json=array),
-            _ForcedParser(None),
-            parallel,
-        )
+            forced["maxItems"] = 1
+    if forced is not None:
+        structured = StructuredOutputsParams(json=forced)
+        return ToolPlan(tools if renders_tools else None, structured, _ForcedParser(named), parallel)
     if choice not in (None, "auto", "none"):
         raise APIError(
             400,
@@ -239,16 +230,14 @@ def plan(b: ChatCompletionRequest, renders_tools: bool, parser_name: str | None)
             "name a tool in tool_choice or use 'required'",
             "tools",
         )
-    if choice == "none":
-        return ToolPlan(tools, None, None, parallel)
-    if parser_name is None:
+    if choice != "none" and parser_name is None:
         raise APIError(
             400,
             f"tool_choice 'auto' needs a tool-call parser for this model: kiln serve --tool-call-parser "
             f"({' | '.join(PARSERS)})",
             "tool_choice",
         )
-    return ToolPlan(tools, None, PARSERS[parser_name](), parallel)
+    return ToolPlan(tools, None, None if choice == "none" else PARSERS[parser_name](), parallel)
 
 
 def call_id() -> str:

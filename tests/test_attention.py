@@ -3,9 +3,8 @@ import os
 import pytest
 import torch
 
-from compiled import attention_cpu
+from compiled import attention
 from compiled.attention import (
-    AttentionMetadata,
     Scoring,
     decode_attention_matmul,
     decode_attention_reduction,
@@ -14,7 +13,6 @@ from compiled.attention import (
     write_kv,
 )
 from compiled.attention_cpu import CpuAttention
-from compiled.attention_cuda import prefill_attention
 
 B, H, HKV, D, BS = 3, 6, 2, 32, 16
 
@@ -83,48 +81,28 @@ def test_decode_attention_matches_a_plain_softmax_whatever_the_slice_width(lanes
     torch.testing.assert_close(compiled, expected, rtol=1e-5, atol=1e-5)
 
 
-PREFILL_FORMS = ["one-by-one", "padded", "padded-expanded-kv"]
-
-
 @pytest.mark.parametrize(
-    "form, starts, n",
+    "starts, n",
     [
-        *((form, [0, 20, 0], [5, 17, 16]) for form in PREFILL_FORMS),  # one continues after 20 positions
-        ("one-by-one", [0, 0, 0], [5, 37, 16]),  # fresh prompts of three lengths: together, tile by tile
-        ("one-by-one", [0, 0, 0], [5, 5, 5]),
-        ("one-by-one", [0, 20, 0], [2, 17, 1]),  # a one-row prompt beside a shorter tile
+        ([0, 20, 0], [5, 17, 16]),  # one continues after 20 positions
+        ([0, 0, 0], [5, 37, 16]),  # fresh prompts of three lengths
+        ([0, 0, 0], [5, 5, 5]),
+        ([0, 20, 0], [2, 17, 1]),  # a one-row prompt beside a shorter tile
     ],
 )
+@pytest.mark.parametrize("tiles", [True, False], ids=["tiled", "alone"])
 @pytest.mark.parametrize("scoring", SCORINGS, ids=["plain", "window-softcap"])
-def test_prefill_attention_is_a_causal_softmax_below_its_context(form, starts, n, scoring, monkeypatch):
-    """Chunks one by one (CPU: fresh prompts together tile by tile, the rest alone) or as one padded batch
-    meeting GQA as SDPA does or with K/V repeated per query head (CUDA) compute the same."""
+def test_prefill_attention_is_a_causal_softmax_below_its_context(starts, n, tiles, scoring, monkeypatch):
+    """Chunks, fresh prompts together tile by tile (the CPU's choice) or each alone through SDPA (CUDA's),
+    compute a causal softmax over each one's context and itself."""
     k_cache, v_cache, tables, _, ks, vs = paged_sequences(4, monkeypatch)
-    monkeypatch.setattr(attention_cpu, "CAUSAL_TILES", {2: 1.0})  # several tiles, the last one short
-    firsts, q_max = [sum(n[:i]) for i in range(len(n))], max(n)
+    monkeypatch.setattr(attention, "CAUSAL_TILES", {2: 1.0})  # several tiles, the last one short
+    firsts = [sum(n[:i]) for i in range(len(n))]
     q = torch.randn(sum(n), H, D)
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(sum(n), dtype=torch.int64),
-        decode_block_tables=torch.zeros(0, 2, dtype=torch.int64),
-        decode_seq_lens=torch.zeros(0, dtype=torch.int64),
-        prefill_block_tables=tables,
-        prefill_query_index=torch.tensor(
-            [[f + min(j, m - 1) for j in range(q_max)] for f, m in zip(firsts, n)]
-        ),
-        prefill_query_pos=torch.tensor(
-            [[s + j if j < m else 0 for j in range(q_max)] for s, m in zip(starts, n)]
-        ),
-        prefill_out_index=torch.tensor([p * q_max + j for p, m in enumerate(n) for j in range(m)]),
-        prefill_chunks=torch.tensor(list(zip(starts, n))),
-    )
-    if form == "one-by-one":
-        # The step's own K/V of each chunk: its positions of the sequence's.
-        k, v = (torch.cat([x[b][s : s + m] for b, (s, m) in enumerate(zip(starts, n))]) for x in (ks, vs))
-        out = torch.ops.kiln.prefill_attention_chunks(
-            q, k, v, k_cache, v_cache, tables, meta.prefill_chunks, *scoring
-        )
-    else:
-        out = prefill_attention(q, k_cache, v_cache, meta, scoring, expand_kv=form == "padded-expanded-kv")
+    # The step's own K/V of each chunk: its positions of the sequence's.
+    k, v = (torch.cat([x[b][s : s + m] for b, (s, m) in enumerate(zip(starts, n))]) for x in (ks, vs))
+    chunks = torch.tensor(list(zip(starts, n)))
+    out = torch.ops.kiln.prefill_attention_chunks(q, k, v, k_cache, v_cache, tables, chunks, tiles, *scoring)
     for b, (f, s, m) in enumerate(zip(firsts, starts, n)):
         k, v = (x[: s + m].double().repeat_interleave(H // HKV, 1) for x in (ks[b], vs[b]))
         scores = capped(torch.einsum("qhd,lhd->hql", q[f : f + m].double(), k) * scoring.scale, scoring)
@@ -138,9 +116,9 @@ def test_prefill_attention_is_a_causal_softmax_below_its_context(form, starts, n
 
 def test_short_or_ragged_prompts_take_smaller_causal_tiles():
     """A tile size is chosen for the padding it costs: a prompt one row into its last tile pads it."""
-    assert attention_cpu.causal_tile([256] * 16) == 64  # no padding at all
-    assert attention_cpu.causal_tile([40] * 48) < 64  # padded to 64 rows, over half is padding
-    assert attention_cpu.causal_tile([257] * 16) < 64  # a 64-row tile of 1 row each
+    assert attention.causal_tile([256] * 16) == 64  # no padding at all
+    assert attention.causal_tile([40] * 48) < 64  # padded to 64 rows, over half is padding
+    assert attention.causal_tile([257] * 16) < 64  # a 64-row tile of 1 row each
 
 
 def mapping_of(address: int) -> dict[str, str]:

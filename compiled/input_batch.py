@@ -56,6 +56,7 @@ class StepBatch:
     meta: AttentionMetadata
     logits_index: list[int]
     sampled: list[CachedRequestState]
+    drafts: list[list[int]]  # the tokens each sampled request verifies after its last known one
     # (request, first hidden row, first position, rows) whose logits score the next prompt token.
     prompt_rows: list[tuple[CachedRequestState, int, int, int]]
 
@@ -103,10 +104,16 @@ class InputBatch:
     """
 
     def __init__(
-        self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, device: torch.device
+        self,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        device: torch.device,
+        max_drafts: int = 0,
     ) -> None:
+        """`max_drafts`: the drafted tokens a sequence may verify in a step, each a single-query row too."""
         self.block_size, self.device = block_size, device
-        self.buckets = decode_buckets(max_num_seqs)
+        self.buckets = decode_buckets(max_num_seqs * (1 + max_drafts))
         self.table_width = max(max_blocks_per_seq, 2)
         self.block_table = torch.zeros(max_num_seqs + 1, self.table_width, dtype=torch.int64)
         self.null_row = max_num_seqs
@@ -157,46 +164,54 @@ class InputBatch:
         return sorted({_pow2(w, self.table_width) for w in range(2, self.table_width + 1)})
 
     def split(
-        self, num_scheduled: dict[str, int]
+        self, num_scheduled: dict[str, int], drafts: dict[str, list[int]]
     ) -> tuple[list[CachedRequestState], list[CachedRequestState]]:
-        """The scheduled requests with one query (in schedule order), then those with a multi-token chunk."""
+        """The scheduled requests of single-query rows (one token, or one and its drafts, in schedule order),
+        then those with a multi-token chunk."""
         states = [self.requests[rid] for rid in num_scheduled]
-        singles = [s for s in states if num_scheduled[s.req_id] == 1]
-        return singles, [s for s in states if num_scheduled[s.req_id] > 1]
+        singles = [s for s in states if num_scheduled[s.req_id] == 1 or s.req_id in drafts]
+        return singles, [s for s in states if not (num_scheduled[s.req_id] == 1 or s.req_id in drafts)]
 
     def prepare(
         self,
         singles: list[CachedRequestState],
         chunks: list[CachedRequestState],
         num_scheduled: dict[str, int],
+        drafts: dict[str, list[int]] | None = None,
     ) -> StepBatch:
-        bs = self.block_size
+        """The step's inputs: a row per single query, a drafted token's included (its own query after the
+        ones before it, all sampled), then the chunks' rows."""
+        bs, drafts = self.block_size, drafts or {}
+        num_single = len(singles) + sum(map(len, drafts.values()))
         # Dynamo specialises sizes 0 and 1, so a step with chunks carries at least two decode rows
         # (padding rows cost a short attention each): chunk-only and mixed steps then share graphs.
-        n_dec = self.decode_rows(len(singles))
-        n_pad = (max(n_dec, 2) if chunks else n_dec) - len(singles)
+        n_dec = self.decode_rows(num_single)
+        n_pad = (max(n_dec, 2) if chunks else n_dec) - num_single
         rows: list[int] = []
         positions: list[int] = []
         token_ids: list[int] = []
         logits_index: list[int] = []
         sampled: list[CachedRequestState] = []
+        step_drafts: list[list[int]] = []
         prompt_rows: list[tuple[CachedRequestState, int, int, int]] = []
 
-        # Rows for tokens start .. start + n - 1 of `s`, noting those that score prompt tokens and
-        # whether the last one is sampled.
-        def add(s: CachedRequestState, start: int, n: int) -> None:
+        # Rows for tokens start .. start + n - 1 of `s` and the drafts after them, noting those that score
+        # prompt tokens and whether the last known one (and every draft) is sampled.
+        def add(s: CachedRequestState, start: int, n: int, draft: list[int] = ()) -> None:
             k = min(start + n, s.num_prompt_tokens - 1) - start  # positions followed by a prompt token
             if k > 0 and s.sampling_params.prompt_logprobs is not None:
                 prompt_rows.append((s, len(token_ids), start, k))
-            rows.extend([s.row] * n)
-            positions.extend(range(start, start + n))
+            rows.extend([s.row] * (n + len(draft)))
+            positions.extend(range(start, start + n + len(draft)))
             token_ids.extend(s.token_ids[start : start + n])
+            token_ids.extend(draft)
             if start + n == len(s.token_ids):
-                logits_index.append(len(token_ids) - 1)
+                logits_index.extend(range(len(token_ids) - 1 - len(draft), len(token_ids)))
                 sampled.append(s)
+                step_drafts.append(list(draft))
 
         for s in singles:
-            add(s, s.num_computed_tokens, 1)
+            add(s, s.num_computed_tokens, 1, drafts.get(s.req_id, []))
         rows += [self.null_row] * n_pad
         positions += [0] * n_pad
         token_ids += [0] * n_pad
@@ -223,16 +238,20 @@ class InputBatch:
             prefill_block_tables=put("prefill_block_tables", table[chunk_rows, :pre_width]),
             prefill_chunks=put("prefill_chunks", np.array(chunk_spans).reshape(-1, 2)),
         )
-        return StepBatch(
-            put("token_ids", token_ids), put("positions", pos_a), meta, logits_index, sampled, prompt_rows
-        )
+        ids = put("token_ids", token_ids)
+        return StepBatch(ids, put("positions", pos_a), meta, logits_index, sampled, step_drafts, prompt_rows)
 
 
 def sampling_inputs(
-    states: list[CachedRequestState], vocab_size: int, device: torch.device
+    states: list[CachedRequestState],
+    vocab_size: int,
+    device: torch.device,
+    drafts: list[list[int]] | None = None,
 ) -> SamplingMetadata:
-    """The sampler's per-row parameters for the sampled requests of a step."""
-    params = [s.sampling_params for s in states]
+    """The sampler's per-row parameters for the sampled requests of a step: a row per request, or one per
+    position where it verifies drafts (`drafts[i]`), each as if the drafts before it had been sampled."""
+    rows = [(s, d[:i]) for s, d in zip(states, drafts or [[]] * len(states)) for i in range(len(d) + 1)]
+    params = [s.sampling_params for s, _ in rows]
     f32 = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731
     i64 = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
     if all(p.greedy for p in params):  # the sampler reads no per-row parameter: six tensors spared
@@ -244,8 +263,8 @@ def sampling_inputs(
             top_k=i64([p.top_k for p in params]),
             top_p=f32([p.top_p for p in params]),
             min_p=f32([p.min_p for p in params]),
-            seeds=i64([s.seed for s in states]),
-            steps=i64([len(s.token_ids) - s.num_prompt_tokens for s in states]),
+            seeds=i64([s.seed for s, _ in rows]),
+            steps=i64([len(s.token_ids) + len(d) - s.num_prompt_tokens for s, d in rows]),
             all_greedy=False,
             any_top_k=any(p.top_k > 0 for p in params),
             any_top_p=any(p.top_p < 1.0 for p in params),
@@ -257,11 +276,11 @@ def sampling_inputs(
         m.presence = f32([p.presence_penalty for p in params])
         m.frequency = f32([p.frequency_penalty for p in params])
         m.repetition = f32([p.repetition_penalty for p in params])
-        counts = torch.zeros(len(states), vocab_size, dtype=torch.int32)
-        seen = torch.zeros(len(states), vocab_size, dtype=torch.bool)
-        for i, s in enumerate(states):
-            out = torch.tensor(s.token_ids[s.num_prompt_tokens :], dtype=torch.int64)
+        counts = torch.zeros(len(rows), vocab_size, dtype=torch.int32)
+        seen = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
+        for i, (s, d) in enumerate(rows):
+            out = torch.tensor(s.token_ids[s.num_prompt_tokens :] + d, dtype=torch.int64)
             counts[i].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
-            seen[i, torch.tensor(s.token_ids, dtype=torch.int64)] = True
+            seen[i, torch.tensor(s.token_ids + d, dtype=torch.int64)] = True
         m.output_counts, m.seen_mask = counts.to(device), seen.to(device)
     return m

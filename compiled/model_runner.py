@@ -19,7 +19,7 @@ from compiled.host_memory import available_ram, move_weights
 from compiled.input_batch import CachedRequestState, InputBatch, StepBatch, cdiv, sampling_inputs
 from compiled.loader import load_model
 from compiled.quant import describe
-from compiled.sampler import sample
+from compiled.sampler import sample, verify
 from engine.config import EngineConfig
 from engine.params import SamplingParams
 from engine.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
@@ -77,7 +77,9 @@ class ModelRunner:
         self.model.cache_rope(self.max_model_len, dtype)
         self.block_size = config.block_size
         self.max_blocks_per_seq = cdiv(self.max_model_len, self.block_size)
-        self.batch = InputBatch(config.max_num_seqs, self.max_blocks_per_seq, self.block_size, device)
+        spec = config.speculative_config
+        drafts = spec.num_speculative_tokens if spec is not None else 0
+        self.batch = InputBatch(config.max_num_seqs, self.max_blocks_per_seq, self.block_size, device, drafts)
         self.policy = CompilePolicy(self.model, device, config.enforce_eager, dtype)
 
     def kv_bytes_per_block(self) -> int:
@@ -134,16 +136,16 @@ class ModelRunner:
         self.batch.update(so)
         if so.is_empty:
             return ModelRunnerOutput([], [])
-        singles, chunks = self.batch.split(so.num_scheduled_tokens)
-        step = self.batch.prepare(singles, chunks, so.num_scheduled_tokens)
+        singles, chunks = self.batch.split(so.num_scheduled_tokens, so.spec_tokens)
+        step = self.batch.prepare(singles, chunks, so.num_scheduled_tokens, so.spec_tokens)
         tokens, logprobs, prompt_logprobs = self._run(step, so.grammar_bitmasks)
         out_tokens: dict[str, list[int]] = {}
         out_logprobs: dict[str, list[TokenLogprobs]] = {}
         for i, s in enumerate(step.sampled):
-            s.token_ids.append(tokens[i])
-            out_tokens[s.req_id] = [tokens[i]]
+            s.token_ids.extend(tokens[i])
+            out_tokens[s.req_id] = tokens[i]
             if logprobs is not None and s.sampling_params.logprobs is not None:
-                out_logprobs[s.req_id] = [logprobs[i]]
+                out_logprobs[s.req_id] = logprobs[i]
         order = singles + chunks
         return ModelRunnerOutput(
             req_ids=[s.req_id for s in order],
@@ -159,9 +161,10 @@ class ModelRunner:
 
     def _run(
         self, step: StepBatch, grammar_bitmasks: dict[str, np.ndarray] | None = None
-    ) -> tuple[list[int], list[TokenLogprobs] | None, dict]:
-        """Forward one packed step and sample its sampled rows (within their grammars, where they have one):
-        their tokens and logprobs, and the prompt logprobs of the rows that score prompt tokens."""
+    ) -> tuple[list[list[int]], list[list[TokenLogprobs]] | None, dict]:
+        """Forward one packed step and sample its sampled rows (within their grammars, where they have one),
+        verifying drafts: each sampled request's tokens and their logprobs, and the prompt logprobs of the
+        rows that score prompt tokens."""
         hidden = self.hidden_states(step)
         prompt_logprobs = {
             s.req_id: (start + 1, self._prompt_logprobs(s, hidden[row : row + k], start))
@@ -171,31 +174,46 @@ class ModelRunner:
             return [], None, prompt_logprobs
         logits = self.policy.logits(hidden[self.batch.inputs.put("logits_index", step.logits_index)])
         if logits is None:  # a tensor-parallel rank past 0: it takes rank 0's tokens
-            tokens = torch.empty(len(step.sampled), dtype=torch.int64, device=self.device)
-            return parallel.broadcast(tokens).tolist(), None, prompt_logprobs
-        meta = sampling_inputs(step.sampled, self.vocab_size, self.device)
+            targets = torch.empty(len(step.logits_index), dtype=torch.int64, device=self.device)
+            return self._verify(step, parallel.broadcast(targets).tolist()), None, prompt_logprobs
+        meta = sampling_inputs(step.sampled, self.vocab_size, self.device, step.drafts)
         if grammar_bitmasks:
-            meta.token_bitmask = self._bitmask(step.sampled, grammar_bitmasks)
+            meta.token_bitmask = self._bitmask(step, grammar_bitmasks)
         out = sample(logits, meta)
-        tokens = (parallel.broadcast(out.token_ids) if self.tensor_parallel else out.token_ids).tolist()
+        tokens = self._verify(
+            step, (parallel.broadcast(out.token_ids) if self.tensor_parallel else out.token_ids).tolist()
+        )
         if out.logprobs is None:
             return tokens, None, prompt_logprobs
         lp = out.logprobs.tolist()
-        top_ids = out.topk_ids.tolist() if out.topk_ids is not None else [[] for _ in step.sampled]
-        top_lp = out.topk_logprobs.tolist() if out.topk_logprobs is not None else [[] for _ in step.sampled]
-        logprobs = []
-        for i, s in enumerate(step.sampled):
+        top_ids = out.topk_ids.tolist() if out.topk_ids is not None else [[] for _ in lp]
+        top_lp = out.topk_logprobs.tolist() if out.topk_logprobs is not None else [[] for _ in lp]
+        logprobs, row = [], 0
+        for s, d, emitted in zip(step.sampled, step.drafts, tokens):
             n = s.sampling_params.logprobs or 0
-            logprobs.append((lp[i], list(zip(top_ids[i][:n], top_lp[i][:n]))))
+            rows = range(row, row + len(emitted))
+            logprobs.append([(lp[r], list(zip(top_ids[r][:n], top_lp[r][:n]))) for r in rows])
+            row += len(d) + 1
         return tokens, logprobs, prompt_logprobs
 
-    def _bitmask(self, sampled: list[CachedRequestState], masks: dict[str, np.ndarray]) -> Tensor:
-        """[S, words] int32 on the device: each constrained row's mask, every token allowed elsewhere."""
+    @staticmethod
+    def _verify(step: StepBatch, targets: list[int]) -> list[list[int]]:
+        """Each sampled request's tokens from its rows' sampled `targets` (compiled/sampler.py: verify)."""
+        tokens, row = [], 0
+        for d in step.drafts:
+            tokens.append(verify(d, targets[row : row + len(d) + 1]))
+            row += len(d) + 1
+        return tokens
+
+    def _bitmask(self, step: StepBatch, masks: dict[str, np.ndarray]) -> Tensor:
+        """[rows, words] int32 on the device: each constrained row's mask, every token allowed elsewhere."""
         words = next(iter(masks.values())).shape[0]
-        rows = np.full((len(sampled), words), -1, dtype=np.int32)
-        for i, s in enumerate(sampled):
+        rows = np.full((len(step.logits_index), words), -1, dtype=np.int32)
+        row = 0
+        for s, d in zip(step.sampled, step.drafts):
             if (mask := masks.get(s.req_id)) is not None:
-                rows[i] = mask
+                rows[row] = mask  # a constrained request verifies no drafts: one row
+            row += len(d) + 1
         return torch.from_numpy(rows).to(self.device, non_blocking=True)
 
     def _prompt_logprobs(self, s: CachedRequestState, hidden: Tensor, start: int) -> list[TokenLogprobs]:

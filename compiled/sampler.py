@@ -101,6 +101,22 @@ def allowed_tokens(bitmask: Tensor, vocab_size: int) -> Tensor:
     return ((bitmask[:, :, None] >> bits) & 1).flatten(1)[:, :vocab_size]
 
 
+def verify(drafts: list[int], targets: list[int]) -> list[int]:
+    """The tokens a request emits after verifying `drafts` in one step: `targets[i]` is the token sampled at
+    draft position i (given the drafts before it, with the draw decoding without drafts makes at that
+    output index), so the drafts are kept while each equals its target, and the first target that differs,
+    or the one after the last draft, follows them.
+
+    Every emitted token is the one decoding without drafts would have sampled, so greedy and seeded output
+    is unchanged and the output distribution is the model's. For drafts without probabilities this is exact
+    rejection sampling: a draft d is accepted with probability p(d), and a rejected position's token is the
+    draw given it is not d, distributed as p with d removed and renormalised."""
+    n = 0
+    while n < len(drafts) and drafts[n] == targets[n]:
+        n += 1
+    return targets[: n + 1]
+
+
 def sample(logits: Tensor, m: SamplingMetadata) -> SamplerOutput:
     """logits [S, V] float32 -> one token per row; logprobs are of the raw model distribution."""
     out = SamplerOutput(token_ids=torch.empty(0))

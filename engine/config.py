@@ -7,6 +7,7 @@ from these fields (server/cli.py), so the flags and the config cannot drift apar
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Annotated, get_type_hints
 
 import msgspec
@@ -14,6 +15,23 @@ import msgspec
 
 def _help(text: str) -> msgspec.Meta:
     return msgspec.Meta(description=text)
+
+
+class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Draft-free speculative decoding, as vLLM's `--speculative-config` names it (engine/proposer.py)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # drafted tokens verified per step, at most
+    prompt_lookup_min: int = 2  # n-gram lengths matched, longest first
+    prompt_lookup_max: int = 5
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"method must be ngram (got {self.method!r})")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be in [1, 16]")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -110,11 +128,26 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             "(PORT+1 is used too), to serve with instead of starting cores here"
         ),
     ] = None
+    speculative_config: Annotated[
+        SpeculativeConfig | None,
+        _help(
+            'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+            '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (drafts from the request\'s own tokens)'
+        ),
+    ] = None
     max_pending_requests: Annotated[
         int, _help("streaming front ends: requests held beyond max_num_seqs before more are refused (429)")
     ] = 4096
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, str | dict):  # JSON from the command line, a dict from Python
+            spec = self.speculative_config
+            try:
+                spec = msgspec.json.decode(spec) if isinstance(spec, str) else spec
+                self.speculative_config = msgspec.convert(spec, SpeculativeConfig)
+            except msgspec.MsgspecError as e:
+                raise ValueError(f"speculative_config: {e}") from None
+
         def check(ok: object, field: str, message: str) -> None:
             if not ok:
                 raise ValueError(f"{field} {message} (got {getattr(self, field)!r})")
@@ -183,6 +216,31 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             async_scheduling=overlap,
             step_stretch=self.step_stretch if measured else 0.0,
         )
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig:
+    max_model_len: int
+    num_blocks: int  # including the null block
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0: a prefill chunk is limited by the budget only
+    # A step that carries decodes computes at most this many tokens (0: max_num_batched_tokens), so a
+    # prefill never holds running streams' next tokens for long; a step with nobody decoding may use
+    # the whole budget, which is what a lone prompt's time to first token needs.
+    max_num_batched_tokens_decoding: int = 0
+    settling_tokens: int = 0  # streams cap steps from this many tokens on: a burst prefills in full steps
+    async_scheduling: bool = False  # schedule the next step while the current one runs
+
+    def __post_init__(self) -> None:
+        lows = dict(max_model_len=2, num_blocks=2, max_num_seqs=1, max_num_batched_tokens=1, block_size=1)
+        counts = ("long_prefill_token_threshold", "max_num_batched_tokens_decoding", "settling_tokens")
+        for name, low in {**lows, **dict.fromkeys(counts, 0)}.items():
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
 
 
 def cli_fields() -> dict[str, tuple[type, object, str]]:

@@ -35,6 +35,7 @@ from engine.messages import (
     UtilityResult,
 )
 from engine.processes import die_with_parent
+from engine.proposer import make_proposer
 from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step import SchedulerOutput
@@ -83,12 +84,14 @@ class EngineCore:
                 async_scheduling=c.async_scheduling,
             ),
             structured=self.structured,
+            proposer=make_proposer(c.speculative_config),
         )
         budget = (c.step_stretch, c.max_num_batched_tokens_decoding, c.max_num_batched_tokens)
         self.step_budget = StepBudget(*budget) if c.step_stretch else None
         self.scheduled_time: dict[str, float] = {}
         self.in_flight: tuple[SchedulerOutput, StepResult] | None = None  # async_scheduling's last step
         self._tokens = [0, 0]  # prompt, generation tokens since the last stats line
+        self._spec = (0, 0)  # verifications and accepted drafts at the last stats line
         self._last_stats = time.monotonic()
 
     def ready_message(self, engine_index: int) -> CoreReady:
@@ -146,8 +149,7 @@ class EngineCore:
             if self.step_budget is not None:
                 self._measure_step(so, time.perf_counter() - start)
         outputs = failed + self.scheduler.update_from_output(so, runner_output)
-        # Multi-token chunks are prompt work (or recomputation after a preemption).
-        self._tokens[0] += sum(n for n in so.num_scheduled_tokens.values() if n > 1)
+        self._tokens[0] += so.num_prompt_tokens
         for out in outputs:
             self._tokens[1] += len(out.new_token_ids)
             out.scheduled_time = self.scheduled_time.pop(out.request_id, None)  # only on the first output
@@ -155,8 +157,8 @@ class EngineCore:
         return outputs
 
     def _measure_step(self, so: SchedulerOutput, seconds: float) -> None:
-        s, sizes = self.scheduler, so.num_scheduled_tokens.values()
-        self.step_budget.observe(sum(n == 1 for n in sizes), sum(n for n in sizes if n > 1), seconds)
+        s, prompt = self.scheduler, so.num_prompt_tokens
+        self.step_budget.observe(so.total_num_scheduled_tokens - prompt, prompt, seconds)
         s.config.max_num_batched_tokens_decoding = self.step_budget.tokens(len(s.running), s.num_waiting)
 
     def stats(self) -> dict:
@@ -181,6 +183,15 @@ class EngineCore:
             self._tokens[1] / dt,
             s["num_preemptions"],
         )
+        if (spec := s["spec_decoding"]) is not None:
+            drafts, accepted = spec["num_drafts"] - self._spec[0], spec["num_accepted_tokens"] - self._spec[1]
+            logger.info(
+                "speculative decoding: mean acceptance length %.2f over %d verifications, %d tokens accepted",
+                1 + accepted / max(drafts, 1),
+                drafts,
+                accepted,
+            )
+            self._spec = (spec["num_drafts"], spec["num_accepted_tokens"])
         self._tokens, self._last_stats = [0, 0], now
 
 

@@ -74,7 +74,7 @@ class FrontEnd:
         total: dict = {}
         for stats in per_core.values():
             for key, value in stats.items():
-                total[key] = total.get(key, 0) + value
+                total[key] = _summed(total.get(key), value)
         if per_core:
             total["kv_cache_usage"] /= len(per_core)
         total["engines"] = {str(i): stats for i, stats in sorted(per_core.items())}
@@ -89,3 +89,14 @@ class FrontEnd:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _summed(a: object, b: object) -> object:
+    """Two cores' values of one stat added: numbers, lists by position, dicts by key; None is nothing."""
+    if a is None or b is None:
+        return b if a is None else a
+    if isinstance(a, dict):
+        return {key: _summed(a.get(key), b.get(key)) for key in a.keys() | b.keys()}
+    if isinstance(a, list):
+        return [x + y for x, y in itertools.zip_longest(a, b, fillvalue=0)]
+    return a + b

@@ -105,6 +105,9 @@ class OutputProcessor:
                 state.num_cached_tokens = o.num_cached_tokens
             if o.prompt_logprobs is not None:
                 state.prompt_logprobs = o.prompt_logprobs
+            if o.spec_decoding is not None:
+                m.num_draft_tokens += o.spec_decoding[0]
+                m.num_accepted_tokens += o.spec_decoding[1]
             sample = state.samples[o.request_id]
             out = sample.out
             out.token_ids += o.new_token_ids

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from engine.params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.proposer import Drafter
     from engine.structured_output import Grammar
 
 
@@ -68,6 +69,11 @@ class Request:
         self.seed: int | None = sampling_params.seed
         # Prefix-cache hit tokens at first admission; -1 until then (reported on the first output).
         self.num_cached_tokens = -1
+        # Speculative decoding: the tokens drafted to follow `all_token_ids` (verified when next scheduled),
+        # the proposer's state, and the request's drafted and accepted token counts.
+        self.spec_token_ids: list[int] = []
+        self.drafter: Drafter | None = None
+        self.num_draft_tokens = self.num_accepted_tokens = 0
         # Filled position by position as the prompt is computed (so a recompute rewrites, not appends).
         self.prompt_logprobs: list | None = (
             None if sampling_params.prompt_logprobs is None else [None] * len(prompt_token_ids)

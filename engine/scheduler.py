@@ -15,6 +15,10 @@ its own tokens). A request that may stop on the pending token, or whose grammar 
 
 Preemption is by recompute: the most recently admitted running request gives up its blocks,
 keeps its tokens (prompt and outputs) and goes back to the front of the waiting queue.
+
+Speculative decoding: a decoding request also computes the tokens its proposer drafts (engine/proposer.py),
+within the budget; once verified, ``num_computed_tokens`` steps back over the rejected ones, whose slots
+the next step computes again. No block hash covers a draft: only known tokens are hashed.
 """
 
 from __future__ import annotations
@@ -26,38 +30,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.messages import EngineCoreOutput
+from engine.proposer import NgramProposer, SpecDecodingStats
 from engine.request import Request, RequestStatus
 from engine.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 if TYPE_CHECKING:
     from engine.structured_output import StructuredOutputManager
-
-
-@dataclass(kw_only=True)
-class SchedulerConfig:
-    max_model_len: int
-    num_blocks: int  # including the null block
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0  # 0: a prefill chunk is limited by the budget only
-    # A step that carries decodes computes at most this many tokens (0: max_num_batched_tokens), so a
-    # prefill never holds running streams' next tokens for long; a step with nobody decoding may use
-    # the whole budget, which is what a lone prompt's time to first token needs.
-    max_num_batched_tokens_decoding: int = 0
-    settling_tokens: int = 0  # streams cap steps from this many tokens on: a burst prefills in full steps
-    async_scheduling: bool = False  # schedule the next step while the current one runs
-
-    def __post_init__(self) -> None:
-        lows = dict(max_model_len=2, num_blocks=2, max_num_seqs=1, max_num_batched_tokens=1, block_size=1)
-        counts = ("long_prefill_token_threshold", "max_num_batched_tokens_decoding", "settling_tokens")
-        for name, low in {**lows, **dict.fromkeys(counts, 0)}.items():
-            if getattr(self, name) < low:
-                raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
 
 
 @dataclass
@@ -68,6 +49,7 @@ class SchedulerStats:
     prefix_cache_queries: int  # tokens looked up (cumulative)
     prefix_cache_hits: int  # tokens found (cumulative)
     num_preemptions: int  # cumulative
+    spec_decoding: SpecDecodingStats | None = None  # with speculative decoding
 
 
 class Scheduler:
@@ -76,8 +58,10 @@ class Scheduler:
         config: SchedulerConfig,
         eos_token_id: int | None = None,
         structured: StructuredOutputManager | None = None,
+        proposer: NgramProposer | None = None,
     ) -> None:
         self.config = config
+        self.proposer = proposer  # drafts tokens for decoding requests to verify (speculative decoding)
         self.eos_token_id = eos_token_id
         self.structured = structured  # computes the grammar bitmasks of constrained requests
         self.failed: list[EngineCoreOutput] = []  # requests ended before they ran, not yet reported
@@ -180,7 +164,10 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         lookups = (kv.prefix_cache_queries, kv.prefix_cache_hits)
-        return SchedulerStats(len(self.running), self.num_waiting, kv.usage, *lookups, self.num_preemptions)
+        spec = None if self.proposer is None else self.proposer.stats.copy()
+        return SchedulerStats(
+            len(self.running), self.num_waiting, kv.usage, *lookups, self.num_preemptions, spec
+        )
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -202,10 +189,13 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = min(req.num_known_tokens - req.num_computed_tokens, budget, cap)
+            left = req.num_known_tokens - req.num_computed_tokens
+            n = min(left, budget, cap)
             if n <= 0 or (req.num_output_placeholders and self._awaits_output(req)):
                 i += 1  # nothing to compute until its sampled token arrives
                 continue
+            drafts = self._drafts(req, budget - 1) if left == 1 else []  # decoding: its next token drafted
+            n += len(drafts)
             while (new_blocks := kv.allocate_slots(req, n)) is None:
                 victim = running.pop()  # most recently admitted; never one already scheduled (index < i)
                 self._preempt(victim, out)
@@ -217,6 +207,8 @@ class Scheduler:
             out.cached_reqs.append(
                 CachedRequestData(req.request_id, [b.block_id for b in new_blocks], req.num_computed_tokens)
             )
+            if drafts:
+                out.spec_tokens[req.request_id] = drafts
             self._advance(req, n, out)
             budget -= n
             i += 1
@@ -271,11 +263,23 @@ class Scheduler:
         return out
 
     def _advance(self, req: Request, n: int, out: SchedulerOutput) -> None:
-        """Schedule ``n`` more tokens of ``req`` (async_scheduling: a sampling step leaves a placeholder)."""
+        """Schedule ``n`` more tokens of ``req`` (async_scheduling: a sampling step leaves a placeholder,
+        except where the next step may verify drafts, which must follow every token)."""
         out.num_scheduled_tokens[req.request_id] = n
         req.num_computed_tokens += n
         if self.config.async_scheduling and req.num_computed_tokens == req.num_known_tokens:
-            req.num_output_placeholders += 1
+            req.num_output_placeholders += self.proposer is None or req.grammar is not None
+
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """Drafts for a decoding request to verify: none where a grammar would have to vet them or a token
+        is still in flight, never more than could be emitted before max_tokens or the length limit."""
+        if self.proposer is None or req.grammar is not None or req.num_output_placeholders:
+            return []
+        sp = req.sampling_params
+        room = min(budget, self.max_len - req.num_tokens - 1)
+        if sp.max_tokens is not None:  # the token sampled after the accepted drafts counts too
+            room = min(room, sp.max_tokens - req.num_output_tokens - 1)
+        return self.proposer.propose(req, room) if room > 0 else []
 
     def _awaits_output(self, req: Request) -> bool:
         """Whether a request with tokens in flight must see them before it computes more."""
@@ -329,6 +333,10 @@ class Scheduler:
                 continue
             first = req.num_output_tokens == 0
             req.num_output_placeholders = max(req.num_output_placeholders - len(token_ids), 0)
+            if (drafts := scheduler_output.spec_tokens.get(rid)) is not None:
+                if req.status == RequestStatus.RUNNING:  # else preempted meanwhile: nothing computed is kept
+                    req.num_computed_tokens -= len(drafts) + 1 - len(token_ids)  # rejected drafts' KV
+                self.proposer.verified(req, len(drafts), len(token_ids) - 1)
             status = None
             for k, token in enumerate(token_ids):
                 req.append_output_token(token)
@@ -345,6 +353,9 @@ class Scheduler:
             logprobs = all_logprobs[i] if all_logprobs is not None else None
             if logprobs is not None:
                 logprobs = logprobs[: len(token_ids)]
+            spec = None  # the request's drafted and accepted tokens, reported as it ends
+            if status is not None and req.num_draft_tokens:
+                spec = (req.num_draft_tokens, req.num_accepted_tokens)
             if status is not None:
                 num_waiting += req.status == RequestStatus.PREEMPTED
                 req.status = status
@@ -358,6 +369,7 @@ class Scheduler:
                     new_logprobs=logprobs,
                     num_cached_tokens=self._cached(req, first),
                     prompt_logprobs=req.prompt_logprobs if first else None,
+                    spec_decoding=spec,
                 )
             )
         self._release(finished, num_waiting)

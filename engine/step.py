@@ -42,13 +42,20 @@ class CachedRequestData:
 class SchedulerOutput:
     new_reqs: list[NewRequestData] = field(default_factory=list)
     cached_reqs: list[CachedRequestData] = field(default_factory=list)
-    # req_id -> tokens to compute this step, for every scheduled request.
+    # req_id -> tokens to compute this step, for every scheduled request (drafted ones included).
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # req_id -> the drafted tokens it verifies this step, after its one known token (speculative decoding).
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
     # Finished, aborted or preempted since the last step: the runner drops their state.
     finished_req_ids: set[str] = field(default_factory=set)
     # req_id -> int32 bitmask of the tokens its grammar allows next, for constrained requests sampling now.
     grammar_bitmasks: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Tokens of multi-token chunks: prompt work, or recomputation after a preemption (drafts are not)."""
+        return sum(n for r, n in self.num_scheduled_tokens.items() if n > 1 and r not in self.spec_tokens)
 
     @property
     def is_empty(self) -> bool:
@@ -60,7 +67,8 @@ class ModelRunnerOutput:
     """One entry per request scheduled this step, in `req_ids` order.
 
     `sampled_token_ids[i]` is empty while request i is still prefilling (the step's chunk did not
-    reach the end of its known tokens) and holds one token otherwise.
+    reach the end of its known tokens) and holds one token otherwise, or, where it verified drafts, the
+    accepted ones and the token sampled after them.
     `logprobs[i]` (when the request asked for them) is a list, one per sampled token, of
     (sampled token logprob, [(token_id, logprob) for the top-N]); prompt logprobs are of the same shape.
     """

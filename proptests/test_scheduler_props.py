@@ -1,5 +1,5 @@
 """The Scheduler driven by a fake model runner, under tiny pools and budgets that force chunking,
-preemption and prefix hits.
+preemption and prefix hits, and with n-gram drafts that the fake runner accepts or rejects at random.
 
 The fake runner keeps its own per-request state from SchedulerOutputs alone (tokens, block table,
 computed count), as the real one does, so the test also checks that the messages are sufficient:
@@ -13,7 +13,9 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from engine.config import SpeculativeConfig
 from engine.params import SamplingParams
+from engine.proposer import NgramProposer
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step import ModelRunnerOutput
@@ -46,6 +48,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         threshold=st.sampled_from([0, 0, 1, 3]),
         decoding_cap=st.sampled_from([0, 0, 1, 5]),
         settling=st.sampled_from([0, 1, 3]),
+        drafts=st.sampled_from([0, 0, 1, 3]),
         seed=st.integers(0, 2**16),
     )
     def setup(
@@ -60,6 +63,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         threshold,
         decoding_cap,
         settling,
+        drafts,
         seed,
     ):
         self.cfg = SchedulerConfig(
@@ -74,7 +78,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_num_batched_tokens_decoding=decoding_cap,
             settling_tokens=settling,
         )
-        self.sched = Scheduler(self.cfg, eos_token_id=EOS)
+        spec = drafts and SpeculativeConfig(
+            num_speculative_tokens=drafts, prompt_lookup_min=1, prompt_lookup_max=2
+        )
+        self.sched = Scheduler(self.cfg, eos_token_id=EOS, proposer=NgramProposer(spec) if drafts else None)
         self.rng = random.Random(seed)
         self.runner: dict[str, RunnerState] = {}
         self.finished: dict[str, str] = {}  # request id -> finish reason
@@ -111,17 +118,26 @@ class SchedulerMachine(RuleBasedStateMachine):
         for rid, n in sched_tokens.items():
             state = self.runner[rid]
             assert state.block_ids == sched.kv_cache_manager.get_block_ids(rid)
+            drafts = out.spec_tokens.get(rid, [])
             end = state.computed + n
-            assert end <= len(state.tokens), "computing tokens that are not known yet"
+            assert end <= len(state.tokens) + len(drafts), "computing tokens that are not known yet"
             assert end <= len(state.block_ids) * cfg.block_size, "a scheduled token without a slot"
             assert 0 not in state.block_ids
+            if drafts:
+                assert n == 1 + len(drafts) and state.computed + 1 == len(state.tokens)
+                event("verify")
             state.computed = end
             req_ids.append(rid)
-            if end == len(state.tokens):
-                r = self.rng.random()
-                token = EOS if r < 0.08 else self.rng.choice(STOP_IDS) if r < 0.16 else self.rng.randint(1, 9)
-                state.tokens.append(token)
-                sampled.append([token])
+            if end - len(drafts) == len(state.tokens):
+                # Each position's token: the draft (accepted) or any token; the first differing one ends it.
+                emitted = []
+                for d in [*drafts, None]:
+                    emitted.append(d if d is not None and self.rng.random() < 0.6 else self.token())
+                    if emitted[-1] != d:
+                        break
+                state.computed -= len(drafts) + 1 - len(emitted)  # rejected drafts' KV is computed again
+                state.tokens.extend(emitted)
+                sampled.append(emitted)
             else:
                 sampled.append([])
         outputs = sched.update_from_output(out, ModelRunnerOutput(req_ids, sampled))
@@ -133,6 +149,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         for rid, state in self.runner.items():
             if rid in sched.requests:
                 assert sched.requests[rid].all_token_ids == state.tokens
+
+    def token(self) -> int:
+        r = self.rng.random()
+        return EOS if r < 0.08 else self.rng.choice(STOP_IDS) if r < 0.16 else self.rng.randint(1, 9)
 
     def check_finish(self, rid: str, reason: str, stop_reason) -> None:
         req = self.requests_by_id[rid]
@@ -238,6 +258,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert r.status == RequestStatus.RUNNING
             assert 0 < r.num_computed_tokens <= r.num_tokens < sched.max_len
             assert len(kv.get_block_ids(r.request_id)) * self.cfg.block_size >= r.num_computed_tokens
+            # No block hash covers a drafted token: a hashed block of the table holds the request's own.
+            for i, block in enumerate(kv.req_to_blocks[r.request_id]):
+                if block.block_hash is not None:
+                    assert i < len(r.block_hashes) and block.block_hash == r.block_hashes[i]
         for r in waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert r.num_computed_tokens == 0 and kv.get_block_ids(r.request_id) == []

@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+import msgspec
+
 from engine.config import cli_fields
 
 MODEL_HELP = "HF directory or .gguf file (default: the embedded SmolLM2)"
@@ -17,6 +19,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for name, (kind, default, text) in cli_fields().items():
         flag = "--" + name.replace("_", "-")
         typed = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}
+        if issubclass(kind, msgspec.Struct):  # JSON, which the config decodes
+            typed = {"type": str}
         g.add_argument(flag, default=default, help=text, **typed)
 
 

@@ -115,6 +115,11 @@ class EngineStatsCollector:
         ("kiln:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache"),
         ("kiln:num_preemptions", "num_preemptions", "Requests preempted (KV cache full)"),
     )
+    SPEC_COUNTERS = (
+        ("kiln:spec_decode_num_drafts", "num_drafts", "Drafts verified (speculative decoding)"),
+        ("kiln:spec_decode_num_draft_tokens", "num_draft_tokens", "Drafted tokens verified"),
+        ("kiln:spec_decode_num_accepted_tokens", "num_accepted_tokens", "Drafted tokens accepted"),
+    )
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
@@ -130,6 +135,28 @@ class EngineStatsCollector:
                 for index, stats in engines.items():
                     metric.add_metric([self.model_name, index], float(stats[key]))
                 yield metric
+        spec = {index: s["spec_decoding"] for index, s in engines.items() if s.get("spec_decoding")}
+        if spec:
+            yield from self._spec_decoding(spec)
+
+    def _spec_decoding(self, per_engine: dict[str, dict]):
+        """Speculative decoding's counters, as vLLM names them (kiln: for vllm:)."""
+        from prometheus_client.core import CounterMetricFamily
+
+        labels = ["model_name", "engine"]
+        for name, key, doc in self.SPEC_COUNTERS:
+            metric = CounterMetricFamily(name, doc, labels=labels)
+            for index, spec in per_engine.items():
+                metric.add_metric([self.model_name, index], float(spec[key]))
+            yield metric
+        doc = "Accepted draft tokens, by their position in the draft"
+        metric = CounterMetricFamily(
+            "kiln:spec_decode_num_accepted_tokens_per_pos", doc, labels=[*labels, "position"]
+        )
+        for index, spec in per_engine.items():
+            for pos, count in enumerate(spec["num_accepted_tokens_per_pos"]):
+                metric.add_metric([self.model_name, index, str(pos)], float(count))
+        yield metric
 
 
 class RequestTracker:
@@ -143,6 +170,7 @@ class RequestTracker:
         self.num_generated = 0
         self.finish: dict[int, str] = {}
         self.queue_time: float | None = None
+        self.spec = (0, 0)  # drafted and accepted tokens (speculative decoding)
 
     def update(self, out: RequestOutput) -> None:
         m, name = self.m, self.m.model_name
@@ -164,6 +192,7 @@ class RequestTracker:
             if c.finish_reason is not None and c.index not in self.finish:
                 self.finish[c.index] = c.finish_reason
                 m.request_success.labels(name, c.finish_reason).inc()
+        self.spec = out.metrics.num_draft_tokens, out.metrics.num_accepted_tokens
         if self.queue_time is None and out.metrics.queue_time is not None:
             self.queue_time = max(out.metrics.queue_time, 0.0)
             m.queue_time.labels(name).observe(self.queue_time)
@@ -179,12 +208,14 @@ class RequestTracker:
         if "abort" not in reasons:
             self.m.e2e.labels(name).observe(total)
         ttft = "-" if self.first_token is None else f"{self.first_token - self.start:.3f}s"
+        drafted, accepted = self.spec
         logger.info(
-            "%s prompt_tokens=%d generation_tokens=%d ttft=%s total=%.3fs finish_reason=%s",
+            "%s prompt_tokens=%d generation_tokens=%d ttft=%s total=%.3fs finish_reason=%s%s",
             self.request_id,
             self.num_prompt_tokens,
             self.num_generated,
             ttft,
             total,
             ",".join(reasons),
+            f" draft_tokens={drafted} accepted={accepted}" if drafted else "",
         )

@@ -201,7 +201,8 @@ def test_a_prompt_goes_to_the_core_that_caches_its_prefix_though_another_is_idle
         await finish(prefix + " second", max_tokens=1)  # core 1 is idle, but core 0 holds the prefix
         after = (await llm.get_stats())["engines"]
         busy.cancel()
-        return {core: {k: after[core][k] - before[core][k] for k in after[core]} for core in after}
+        counts = ("prefix_cache_hits", "prefix_cache_queries")
+        return {core: {k: after[core][k] - before[core][k] for k in counts} for core in after}
 
     try:
         delta = asyncio.run(go())

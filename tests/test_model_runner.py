@@ -424,7 +424,9 @@ def test_the_direct_call_self_check_catches_a_lost_kv_write(tiny_llama):
     drv.step()
     so = drv.build()
     runner.batch.update(so)
-    step = runner.batch.prepare(*runner.batch.split(so.num_scheduled_tokens), so.num_scheduled_tokens)
+    step = runner.batch.prepare(
+        *runner.batch.split(so.num_scheduled_tokens, so.spec_tokens), so.num_scheduled_tokens
+    )
     layer = runner.model.layers[0]
     h = runner.model.tok_embeddings(step.token_ids)
     model = runner.model

@@ -93,6 +93,9 @@ class FakeLLM:
             prefix_cache_queries=10,
             prefix_cache_hits=4,
             num_preemptions=0,
+            spec_decoding=dict(
+                num_drafts=3, num_draft_tokens=7, num_accepted_tokens=5, num_accepted_tokens_per_pos=[3, 2]
+            ),
         )
         return {**stats, "engines": {"0": stats}}
 
@@ -365,6 +368,10 @@ def test_tokenize_detokenize_models_version_metrics(client):
         assert name in text, name
     assert 'kiln:generation_tokens_total{model_name="fake-model"} 2.0' in text
     assert 'kiln:prefix_cache_hits_total{engine="0",model_name="fake-model"} 4.0' in text
+    assert 'kiln:spec_decode_num_draft_tokens_total{engine="0",model_name="fake-model"} 7.0' in text
+    assert 'kiln:spec_decode_num_accepted_tokens_total{engine="0",model_name="fake-model"} 5.0' in text
+    per_pos = "kiln:spec_decode_num_accepted_tokens_per_pos_total"
+    assert per_pos + '{engine="0",model_name="fake-model",position="1"} 2.0' in text
 
 
 def _drive_until_disconnect(app, body: dict, disconnect_after_s: float) -> list[dict]:

@@ -114,7 +114,7 @@ class RunnerDriver:
         """Logits of every token the step computes, keyed by request, in position order (no sampling)."""
         batch = self.runner.batch
         batch.update(so)
-        singles, chunks = batch.split(so.num_scheduled_tokens)
+        singles, chunks = batch.split(so.num_scheduled_tokens, so.spec_tokens)
         step = batch.prepare(singles, chunks, so.num_scheduled_tokens)
         with torch.no_grad():
             logits = self.runner.policy.logits(self.runner.hidden_states(step))

@@ -64,7 +64,9 @@ def forward_launches(engine: bench.KilnEngine, buckets: list[int], context: int)
         engine.start(b, context)
         so = drv.build()
         runner.batch.update(so)
-        step = runner.batch.prepare(*runner.batch.split(so.num_scheduled_tokens), so.num_scheduled_tokens)
+        step = runner.batch.prepare(
+            *runner.batch.split(so.num_scheduled_tokens, so.spec_tokens), so.num_scheduled_tokens
+        )
         out[b] = launches(lambda step=step: runner.hidden_states(step))
         engine.finish()
     return out

@@ -1,0 +1,153 @@
+"""Speculative decoding: n-gram drafts verified in one forward, output unchanged by them."""
+
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import EngineConfig, SpeculativeConfig
+from engine.llm import LLM
+from engine.params import SamplingParams
+from engine.proposer import NgramIndex, NgramProposer
+from engine.request import Request
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+VOCAB = 96  # small enough that a random model's greedy text falls into loops that drafts partly predict
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory, smollm2_dir) -> str:
+    """A random 2-layer Llama over the first VOCAB ids of SmolLM2's tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.conftest import TINY
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_spec")
+    config = LlamaConfig(**dict(TINY, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2))
+    LlamaForCausalLM(config).save_pretrained(path)
+    for f in Path(smollm2_dir).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, path / f.name)
+    return str(path)
+
+
+def prompts() -> list[list[int]]:
+    """Prompts that repeat a span (drafts find it) and prompts that do not."""
+    rng = random.Random(0)
+    span = [rng.randrange(3, VOCAB) for _ in range(12)]
+    out = [[1, *span, *span, *span[:5]], [1, *span[:8], 7, 8, *span[:8]]]
+    out += [[1] + [rng.randrange(3, VOCAB) for _ in range(n)] for n in (9, 30, 70)]
+    return [*out, list(out[0])]  # a repeat: a prefix-cache hit
+
+
+def engine(model: str, spec: dict | None, **args) -> LLM:
+    args = dict(dtype="float32", max_num_seqs=8, num_kv_blocks=64, block_size=16, enforce_eager=True) | args
+    return LLM(model, speculative_config=spec, **args)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_chat_model) -> list[list[int]]:
+    with engine(tiny_chat_model, None) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        dict(),
+        dict(max_num_batched_tokens=16),  # prompts over several steps; drafts within the budget
+        dict(num_kv_blocks=12, max_model_len=128),  # too small for every sequence: forces preemption
+        dict(async_scheduling=True),
+        dict(enforce_eager=False),
+    ],
+    ids=["eager", "chunked", "preemption", "async", "compiled"],
+)
+def test_greedy_output_is_the_same_with_drafts(tiny_chat_model, reference, args):
+    with engine(tiny_chat_model, SPEC, **args) as llm:
+        outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
+        stats = llm.get_stats()
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    spec = stats["spec_decoding"]
+    assert spec["num_drafts"] > 0 and 0 < spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+    assert sum(spec["num_accepted_tokens_per_pos"]) == spec["num_accepted_tokens"]
+    # Each request reports its own counts as it ends, adding up to the engine's.
+    assert sum(o.metrics.num_draft_tokens for o in outs) == spec["num_draft_tokens"]
+    assert sum(o.metrics.num_accepted_tokens for o in outs) == spec["num_accepted_tokens"]
+    assert stats["prefix_cache_hits"] > 0 and stats["kv_cache_usage"] == 0.0
+    if "num_kv_blocks" in args:
+        assert stats["num_preemptions"] > 0
+
+
+def test_max_tokens_stops_and_n_samples_and_seeds_are_unchanged_by_drafts(tiny_chat_model, reference):
+    seeded = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_tokens=30, seed=7, ignore_eos=True)
+    two = SamplingParams(n=2, temperature=1.0, max_tokens=30, seed=3, ignore_eos=True, presence_penalty=0.5)
+    short = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in range(1, 12)]
+    runs = []
+    for spec in (None, SPEC):
+        with engine(tiny_chat_model, spec) as llm:
+            got = llm.generate([prompts()[0]] * len(short), short, use_tqdm=False)
+            got += llm.generate(prompts()[:2], seeded, use_tqdm=False)
+            got += llm.generate(prompts()[:1], two, use_tqdm=False)
+            runs.append([[c.token_ids for c in o.outputs] for o in got])
+            stats = llm.get_stats()
+    assert runs[0] == runs[1]
+    assert stats["spec_decoding"]["num_accepted_tokens"] > 0
+    for m, out in zip(range(1, 12), runs[1]):  # max_tokens lands inside accepted runs: never past it
+        assert out == [reference[0][:m]]
+
+
+def test_stop_strings_end_the_text_where_they_would_without_drafts(tiny_chat_model):
+    with engine(tiny_chat_model, None) as llm:
+        text = llm.generate(prompts()[0], GREEDY, use_tqdm=False)[0].outputs[0].text
+    stop = SamplingParams(temperature=0.0, max_tokens=40, stop=[text[len(text) // 2 : len(text) // 2 + 3]])
+    outs = []
+    for spec in (None, SPEC):
+        with engine(tiny_chat_model, spec) as llm:
+            outs.append(llm.generate(prompts()[0], stop, use_tqdm=False)[0].outputs[0])
+    assert (outs[0].text, outs[0].finish_reason) == (outs[1].text, outs[1].finish_reason)
+    assert outs[1].finish_reason == "stop" and len(outs[1].text) < len(text)
+
+
+def test_the_ngram_index_drafts_what_followed_the_latest_earlier_match_longest_first():
+    index = NgramIndex(1, 3)
+    tokens = [5, 6, 7, 8, 1, 6, 7, 9, 4, 6, 7]
+    index.update(tokens)
+    assert index.continuation(tokens, 3) == [9, 4, 6]  # [6, 7] last ended before 9 (and before 8)
+    tokens += [8]  # now [6, 7, 8] matches at the start: the longest n-gram wins
+    index.update(tokens)
+    assert index.continuation(tokens, 2) == [1, 6]
+    tokens += [42]
+    index.update(tokens)
+    assert index.continuation(tokens, 4) == []  # 42 never occurred before
+    assert index.indexed == len(tokens) - 1
+
+
+def test_the_proposer_drafts_less_and_pauses_where_drafts_miss():
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1))
+    req = Request("r", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams())
+    assert proposer.propose(req, 10) == [3, 1, 2, 3]  # what followed the match, and on as a loop
+    assert proposer.propose(req, 2) == [3, 1]  # no more than the room left
+    proposer.verified(req, 3, 1)
+    assert proposer.propose(req, 10) == [3, 1]  # one past the accepted run
+    proposer.verified(req, 2, 0)
+    proposer.verified(req, 1, 0)
+    assert proposer.propose(req, 10) == []  # two misses in a row: a pause
+    assert proposer.stats.num_drafts == 3 and proposer.stats.num_accepted_tokens_per_pos == [1, 0, 0]
+
+
+def test_a_bad_speculative_config_is_a_clear_error():
+    for bad, why in [
+        ({"method": "eagle"}, "method must be ngram"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+        ({"typo": 1}, "unknown field"),
+        ("{not json", "malformed"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            EngineConfig(speculative_config=bad)

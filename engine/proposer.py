@@ -57,16 +57,16 @@ class NgramProposer:
         self.stats = SpecDecodingStats()
 
     def propose(self, req: Request, room: int) -> list[int]:
-        """Drafted tokens to follow the request's, at most `room` and the request's current draft length."""
+        """Drafted tokens to follow the request's: at most `room`, none while the request pauses."""
         if req.drafter is None:
-            req.drafter = Drafter(NgramIndex(self.lo, self.hi), self.k)
+            req.drafter = Drafter(NgramIndex(self.lo, self.hi))
         d = req.drafter
         tokens = req.all_token_ids
         d.index.update(tokens)
         if d.pause:
             d.pause -= 1
             return []
-        return d.index.continuation(tokens, min(room, d.length))
+        return d.index.continuation(tokens, min(room, self.k))
 
     def verified(self, req: Request, drafted: int, accepted: int) -> None:
         """Count a verification of `drafted` tokens of which the first `accepted` were kept."""
@@ -100,18 +100,18 @@ class SpecDecodingStats:
 
 
 class Drafter:
-    """A request's proposer state: its index, and how long its drafts are now.
+    """A request's proposer state: its index, and whether it drafts this step.
 
-    Adaptive: a fully accepted draft lengthens the next by one (up to the configured k), a partly
-    accepted one sets it to one past the accepted run, and a run of wholly rejected drafts pauses drafting
-    for twice as many steps each time, so text that does not repeat is verified rarely and cheaply."""
+    Adaptive: a verify step of several drafts costs barely more than of one (the weights are read once for
+    all its rows), so a request drafts as far as the match goes, or not at all: after wholly rejected drafts
+    twice in a row it pauses, for twice as many steps each time, so text that does not repeat is verified
+    rarely."""
 
-    def __init__(self, index: NgramIndex, k: int) -> None:
-        self.index, self.k, self.length = index, k, k
+    def __init__(self, index: NgramIndex) -> None:
+        self.index = index
         self.misses = self.pause = 0
 
     def observe(self, accepted: int) -> None:
-        self.length = min(self.k, accepted + 1)
         self.misses = 0 if accepted else self.misses + 1
         if self.misses >= 2:
             self.pause = min(2**self.misses, 64)

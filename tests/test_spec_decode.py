@@ -128,13 +128,13 @@ def test_the_ngram_index_drafts_what_followed_the_latest_earlier_match_longest_f
     assert index.indexed == len(tokens) - 1
 
 
-def test_the_proposer_drafts_less_and_pauses_where_drafts_miss():
+def test_the_proposer_pauses_where_drafts_miss():
     proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1))
     req = Request("r", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams())
     assert proposer.propose(req, 10) == [3, 1, 2, 3]  # what followed the match, and on as a loop
     assert proposer.propose(req, 2) == [3, 1]  # no more than the room left
     proposer.verified(req, 3, 1)
-    assert proposer.propose(req, 10) == [3, 1]  # one past the accepted run
+    assert proposer.propose(req, 10) == [3, 1, 2, 3]  # as far as the match goes
     proposer.verified(req, 2, 0)
     proposer.verified(req, 1, 0)
     assert proposer.propose(req, 10) == []  # two misses in a row: a pause

@@ -130,6 +130,13 @@ def run(args: argparse.Namespace) -> int:
 
         result = structured.run(args.model, engine_args(args), args.output_len, args.rounds)
         print(structured.format_report(result))
+    elif args.bench == "spec":
+        from server.bench import spec
+
+        concurrency = tuple(int(n) for n in args.concurrency.split(","))
+        flags = engine_args(args)
+        result = spec.run(args.model, flags, args.spec, args.output_len, concurrency, args.rounds)
+        print(spec.format_report(result))
     elif args.bench == "soak":
         from server.bench import soak
 
@@ -305,7 +312,21 @@ def parser() -> argparse.ArgumentParser:
     structured.add_argument("--output-len", type=int, default=128)
     structured.add_argument("--rounds", type=int, default=3, help="timed runs of each kind, taking turns")
     add_engine_args(structured)
-    for p in (sched, runner, startup, gpu, throughput, latency, serve, soak, structured):
+    spec = kinds.add_parser(
+        "spec", help="speculative decoding off against n-gram drafts: input-grounded and open-ended chat"
+    )
+    spec.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2)")
+    spec.add_argument(
+        "--spec",
+        default='{"method": "ngram", "num_speculative_tokens": 8, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}',
+        help="the speculative config of the drafting engine (a CPU verifies 8 drafts at about the cost of 1)",
+    )
+    spec.add_argument("--output-len", type=int, default=256, help="longest answer, in tokens")
+    spec.add_argument("--concurrency", default="1,4,16", help="streams served at once")
+    spec.add_argument("--rounds", type=int, default=2, help="timed runs of each engine, taking turns")
+    add_engine_args(spec)
+    for p in (sched, runner, startup, gpu, throughput, latency, serve, soak, structured, spec):
         p.add_argument("--json", default=None, help="also write the results to this file")
     return bench
 

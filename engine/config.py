@@ -20,18 +20,26 @@ def _help(text: str) -> msgspec.Meta:
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Draft-free speculative decoding, as vLLM's `--speculative-config` names it (engine/proposer.py)."""
 
-    method: str = "ngram"
+    method: str = "ngram"  # ngram (prompt lookup) or suffix (suffix decoding)
     num_speculative_tokens: int = 4  # drafted tokens verified per step, at most
-    prompt_lookup_min: int = 2  # n-gram lengths matched, longest first
+    prompt_lookup_min: int = 2  # ngram: n-gram lengths matched, longest first
     prompt_lookup_max: int = 5
+    suffix_decoding_max_tree_depth: int = 12  # suffix: the longest context matched, in tokens
+    suffix_decoding_max_cached_requests: int = 1000  # suffix: recent requests whose outputs are drafted from
+    suffix_decoding_max_spec_factor: float = 1.0  # suffix: draft length at most this times the context's
+    suffix_decoding_min_token_prob: float = 0.1  # suffix: the draft stops below this estimated probability
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise ValueError(f"method must be ngram (got {self.method!r})")
+        if self.method not in ("ngram", "suffix"):
+            raise ValueError(f"method must be ngram or suffix (got {self.method!r})")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be in [1, 16]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.suffix_decoding_max_tree_depth < 1 or self.suffix_decoding_max_cached_requests < 0:
+            raise ValueError("suffix_decoding_max_tree_depth must be >= 1, max_cached_requests >= 0")
+        if self.suffix_decoding_max_spec_factor <= 0 or not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ValueError("need suffix_decoding_max_spec_factor > 0 and min_token_prob in [0, 1]")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):

@@ -7,6 +7,7 @@ draft changes how fast tokens come, never which tokens come.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
 from engine.config import SpeculativeConfig
@@ -46,27 +47,52 @@ class NgramIndex:
         return []
 
 
-class NgramProposer:
-    """Prompt lookup (`"method": "ngram"`): the last n tokens of the request (longest n first, from
-    `prompt_lookup_max` down to `prompt_lookup_min`) matched in its prompt and output so far, and the
-    `num_speculative_tokens` tokens that followed the match drafted."""
+class ContextCounts:
+    """What followed each context of 1 to `depth` tokens in the sequences counted, and how often.
+
+    Invariant: `counts[ctx][t]` is the number of positions e of the counted sequences (added and not taken
+    away) with `seq[e - len(ctx) : e] == ctx` and `seq[e] == t`; no count is zero. `indexed`: the
+    positions of the one sequence `update` follows that are counted."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.counts: dict[tuple[int, ...], dict[int, int]] = {}
+        self.indexed = 1
+
+    def add(self, tokens: list[int], start: int = 1, sign: int = 1) -> None:
+        for e in range(max(start, 1), len(tokens)):
+            for n in range(1, min(self.depth, e) + 1):
+                ctx = tuple(tokens[e - n : e])
+                following = self.counts.setdefault(ctx, {})
+                following[tokens[e]] = following.get(tokens[e], 0) + sign
+                if not following[tokens[e]]:
+                    del following[tokens[e]]
+                    if not following:
+                        del self.counts[ctx]
+
+    def update(self, tokens: list[int]) -> None:
+        """Count the positions of a growing sequence not counted yet: a step adds a few, O(depth) each."""
+        self.add(tokens, self.indexed)
+        self.indexed = max(self.indexed, len(tokens))
+
+
+class Proposer:
+    """What both methods share: the counters, and each request's pause after drafts that miss."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
-        self.k = config.num_speculative_tokens
-        self.lo, self.hi = config.prompt_lookup_min, config.prompt_lookup_max
+        self.config, self.k = config, config.num_speculative_tokens
         self.stats = SpecDecodingStats()
 
     def propose(self, req: Request, room: int) -> list[int]:
         """Drafted tokens to follow the request's: at most `room`, none while the request pauses."""
         if req.drafter is None:
-            req.drafter = Drafter(NgramIndex(self.lo, self.hi))
+            req.drafter = Drafter(self.new_index())
         d = req.drafter
-        tokens = req.all_token_ids
-        d.index.update(tokens)
+        d.index.update(req.all_token_ids)
         if d.pause:
             d.pause -= 1
             return []
-        return d.index.continuation(tokens, min(room, self.k))
+        return self.draft(req, min(room, self.k))
 
     def verified(self, req: Request, drafted: int, accepted: int) -> None:
         """Count a verification of `drafted` tokens of which the first `accepted` were kept."""
@@ -74,6 +100,74 @@ class NgramProposer:
         req.num_draft_tokens += drafted
         req.num_accepted_tokens += accepted
         self.stats.observe(drafted, accepted)
+
+    def finished(self, req: Request) -> None:
+        """A request ended (its output may serve the requests after it)."""
+
+    def new_index(self) -> NgramIndex | ContextCounts:
+        raise NotImplementedError
+
+    def draft(self, req: Request, k: int) -> list[int]:
+        raise NotImplementedError
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup (`"method": "ngram"`): the last n tokens of the request (longest n first, from
+    `prompt_lookup_max` down to `prompt_lookup_min`) matched in its prompt and output so far, and the
+    `num_speculative_tokens` tokens that followed the match drafted."""
+
+    def new_index(self) -> NgramIndex:
+        return NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+
+    def draft(self, req: Request, k: int) -> list[int]:
+        return req.drafter.index.continuation(req.all_token_ids, k)
+
+
+class SuffixProposer(Proposer):
+    """Suffix decoding (`"method": "suffix"`): the continuation seen most often after the request's longest
+    final context (up to `suffix_decoding_max_tree_depth` tokens) in its own prompt and output and in the
+    outputs of the last `suffix_decoding_max_cached_requests` requests, extended token by token while the
+    product of each token's frequency stays at least `suffix_decoding_min_token_prob`, and for at most
+    `suffix_decoding_max_spec_factor` times the context's length: the draft is as long as its evidence."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        super().__init__(config)
+        self.depth = config.suffix_decoding_max_tree_depth
+        self.shared = ContextCounts(self.depth)  # recent requests' outputs
+        self.outputs: OrderedDict[str, list[int]] = OrderedDict()  # least recently finished first
+
+    def new_index(self) -> ContextCounts:
+        return ContextCounts(self.depth)
+
+    def draft(self, req: Request, k: int) -> list[int]:
+        c, own = self.config, req.drafter.index.counts
+        context, draft, prob = req.all_token_ids[-self.depth :], [], 1.0
+        while len(draft) < k:
+            for n in range(min(self.depth, len(context)), 0, -1):
+                key = tuple(context[-n:])
+                following = dict(own.get(key, {}))
+                for token, count in self.shared.counts.get(key, {}).items():
+                    following[token] = following.get(token, 0) + count
+                if following:
+                    break
+            else:
+                break
+            token, count = max(following.items(), key=lambda item: item[1])
+            prob *= count / sum(following.values())
+            if prob < c.suffix_decoding_min_token_prob:
+                break
+            if not draft:  # a longer context is better evidence: a longer draft
+                k = min(k, max(1, int(c.suffix_decoding_max_spec_factor * n)))
+            draft.append(token)
+            context.append(token)
+        return draft
+
+    def finished(self, req: Request) -> None:
+        if req.output_token_ids:
+            self.outputs[req.request_id] = list(req.output_token_ids)
+            self.shared.add(self.outputs[req.request_id])
+        while len(self.outputs) > self.config.suffix_decoding_max_cached_requests:
+            self.shared.add(self.outputs.popitem(last=False)[1], sign=-1)
 
 
 @dataclass
@@ -107,7 +201,7 @@ class Drafter:
     twice in a row it pauses, for twice as many steps each time, so text that does not repeat is verified
     rarely."""
 
-    def __init__(self, index: NgramIndex) -> None:
+    def __init__(self, index: NgramIndex | ContextCounts) -> None:
         self.index = index
         self.misses = self.pause = 0
 
@@ -117,5 +211,7 @@ class Drafter:
             self.pause = min(2**self.misses, 64)
 
 
-def make_proposer(config: SpeculativeConfig | None) -> NgramProposer | None:
-    return None if config is None else NgramProposer(config)
+def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
+    if config is None:
+        return None
+    return SuffixProposer(config) if config.method == "suffix" else NgramProposer(config)

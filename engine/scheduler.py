@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.messages import EngineCoreOutput
-from engine.proposer import NgramProposer, SpecDecodingStats
+from engine.proposer import Proposer, SpecDecodingStats
 from engine.request import Request, RequestStatus
 from engine.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
@@ -58,7 +58,7 @@ class Scheduler:
         config: SchedulerConfig,
         eos_token_id: int | None = None,
         structured: StructuredOutputManager | None = None,
-        proposer: NgramProposer | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         self.config = config
         self.proposer = proposer  # drafts tokens for decoding requests to verify (speculative decoding)
@@ -135,6 +135,8 @@ class Scheduler:
         for req in done:
             del self.requests[req.request_id]
             self.kv_cache_manager.free(req)
+            if self.proposer is not None:
+                self.proposer.finished(req)
             self.finished_req_ids.add(req.request_id)
         if len(done) > num_waiting:
             self.running = [r for r in self.running if not r.status.finished]

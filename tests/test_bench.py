@@ -379,12 +379,13 @@ def test_greedy_references_continue_where_an_earlier_one_stopped(tiny_llama):
     assert longer == hf_greedy(load(), prompt, 12)  # a fresh model computes every step anew
 
 
-def test_bench_spec_drafts_and_keeps_the_answers(tiny_chat_model, tmp_path, capsys):
-    out = tmp_path / "s.json"
-    flags = ["--output-len", "12", "--concurrency", "1,3", "--rounds", "1", "--json", str(out)]
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_bench_spec_drafts_and_keeps_the_answers(method, tiny_chat_model, tmp_path, capsys):
+    out, spec = tmp_path / "s.json", json.dumps({"method": method, "num_speculative_tokens": 4})
+    flags = ["--output-len", "12", "--concurrency", "2", "--rounds", "1", "--spec", spec, "--json", str(out)]
     assert main(["bench", "spec", "--model", tiny_chat_model, *TINY_ENGINE, *flags]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert set(rows) == {f"{s}, {c} at a time" for s in ("grounded", "open") for c in (1, 3)}
+    assert set(rows) == {"grounded, 2 at a time", "open, 2 at a time"}
     for row in rows.values():
-        assert row["off"] > 0 and row["ngram"] > 0 and row["same_answers"] is True
+        assert row["off"] > 0 and row["drafts"] > 0 and row["same_answers"] is True
     assert "accept len" in capsys.readouterr().out

@@ -4,16 +4,18 @@ import random
 import shutil
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.llm import LLM
 from engine.params import SamplingParams
-from engine.proposer import NgramIndex, NgramProposer
+from engine.proposer import ContextCounts, NgramIndex, NgramProposer, SuffixProposer
 from engine.request import Request
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 6}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
@@ -58,18 +60,20 @@ def reference(tiny_chat_model) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    "args",
+    "spec, args",
     [
-        dict(),
-        dict(max_num_batched_tokens=16),  # prompts over several steps; drafts within the budget
-        dict(num_kv_blocks=12, max_model_len=128),  # too small for every sequence: forces preemption
-        dict(async_scheduling=True),
-        dict(enforce_eager=False),
+        (SPEC, dict()),
+        (SPEC, dict(max_num_batched_tokens=16)),  # prompts over several steps; drafts within the budget
+        (SPEC, dict(num_kv_blocks=12, max_model_len=128)),  # too small for every sequence: preemption
+        (SPEC, dict(async_scheduling=True)),
+        (SPEC, dict(enforce_eager=False)),
+        (SUFFIX, dict()),
+        (SUFFIX, dict(num_kv_blocks=12, max_model_len=128, max_num_batched_tokens=16)),
     ],
-    ids=["eager", "chunked", "preemption", "async", "compiled"],
+    ids=["eager", "chunked", "preemption", "async", "compiled", "suffix", "suffix-chunked-preemption"],
 )
-def test_greedy_output_is_the_same_with_drafts(tiny_chat_model, reference, args):
-    with engine(tiny_chat_model, SPEC, **args) as llm:
+def test_greedy_output_is_the_same_with_drafts(tiny_chat_model, reference, spec, args):
+    with engine(tiny_chat_model, spec, **args) as llm:
         outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
         stats = llm.get_stats()
     assert [o.outputs[0].token_ids for o in outs] == reference
@@ -141,9 +145,41 @@ def test_the_proposer_pauses_where_drafts_miss():
     assert proposer.stats.num_drafts == 3 and proposer.stats.num_accepted_tokens_per_pos == [1, 0, 0]
 
 
+def test_context_counts_add_and_take_away_exactly():
+    counts = ContextCounts(depth=2)
+    a, b = [1, 2, 3, 1, 2, 4], [2, 3, 5]
+    counts.add(a)
+    counts.add(b)
+    assert counts.counts[(1, 2)] == {3: 1, 4: 1} and counts.counts[(2,)] == {3: 2, 4: 1}
+    counts.add(a, sign=-1)
+    assert counts.counts == {(2,): {3: 1}, (3,): {5: 1}, (2, 3): {5: 1}}  # b's alone, no zero left
+    counts.add(b, sign=-1)
+    assert counts.counts == {}
+
+
+def test_suffix_drafts_what_recent_requests_wrote_as_far_as_the_evidence_goes():
+    config = SpeculativeConfig(method="suffix", num_speculative_tokens=8)
+    config = msgspec.structs.replace(config, suffix_decoding_max_cached_requests=1)
+    proposer = SuffixProposer(config)
+    first = Request("a", [9, 9], SamplingParams())
+    first.output_token_ids = [10, 11, 12, 13, 14]
+    proposer.finished(first)
+    later = Request("b", [7, 10, 11], SamplingParams())
+    assert proposer.propose(later, 8) == [12, 13]  # a context of 2 tokens: at most 2 drafted
+    later.all_token_ids += [12, 13]
+    assert proposer.propose(later, 8) == [14]  # nothing seen after 14: the draft ends there
+    other = Request("c", [8], SamplingParams())
+    other.output_token_ids = [10, 20, 21]
+    proposer.finished(other)  # the cache holds one request: the first's output is forgotten
+    assert proposer.shared.counts[(10,)] == {20: 1}
+    unsure = Request("d", [10, 30, 10, 31, 10], SamplingParams())
+    proposer.config = msgspec.structs.replace(config, suffix_decoding_min_token_prob=0.5)
+    assert proposer.propose(unsure, 8) == []  # 10 was followed by 30, 31 and 20: none likely enough
+
+
 def test_a_bad_speculative_config_is_a_clear_error():
     for bad, why in [
-        ({"method": "eagle"}, "method must be ngram"),
+        ({"method": "eagle"}, "method must be ngram or suffix"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
         ({"typo": 1}, "unknown field"),

@@ -3,7 +3,9 @@ shipped beside this file: input-grounded chat (the answer copies spans of the pr
 change, a bug fix, a config edit, field extraction, a story repeated with one name changed) and
 open-ended chat. Greedy, answers to their end (or --output-len); batch 1 (one request at a time) and
 streams served concurrently. The two engines take turns, set by set and concurrency by concurrency, so
-both meet the same moments of a machine whose speed drifts; their answers must be the same.
+both meet the same moments of a machine whose speed drifts; their answers must be the same. A suffix
+drafter starts afresh before each run: its cache of earlier answers would otherwise hold these very
+answers from the run before.
 """
 
 from __future__ import annotations
@@ -38,7 +40,10 @@ def _accepted(stats: dict) -> tuple[int, int]:
     return spec.get("num_drafts", 0), spec.get("num_accepted_tokens", 0)
 
 
-async def _bench(engines: dict, sets: dict, params: SamplingParams, concurrency: tuple, rounds: int) -> dict:
+async def _bench(
+    engines: dict, renew, sets: dict, params: SamplingParams, concurrency: tuple, rounds: int
+) -> dict:
+    """`renew`: None, or a function that replaces the drafting engine with a fresh one."""
     results: dict = {}
     for name, prompts in sets.items():
         for c in concurrency:
@@ -47,6 +52,8 @@ async def _bench(engines: dict, sets: dict, params: SamplingParams, concurrency:
             for r in range(rounds + 1):  # the first round warms up, untimed
                 order = list(engines) if r % 2 else list(reversed(engines))
                 for kind in order:
+                    if kind == "drafts" and renew is not None:
+                        renew()
                     llm = engines[kind]
                     before = _accepted(await llm.get_stats())
                     batch = prompts * -(-c // len(prompts))  # at least one prompt per stream
@@ -57,9 +64,9 @@ async def _bench(engines: dict, sets: dict, params: SamplingParams, concurrency:
                         if after[0] > before[0]:
                             acceptance.append(1 + (after[1] - before[1]) / (after[0] - before[0]))
             row = {kind: sum(v) / len(v) for kind, v in runs.items()}
-            row["ratio"] = row["ngram"] / row["off"]
+            row["ratio"] = row["drafts"] / row["off"]
             row["mean_acceptance_length"] = sum(acceptance) / len(acceptance) if acceptance else None
-            row["same_answers"] = answers["ngram"] == answers["off"]
+            row["same_answers"] = answers["drafts"] == answers["off"]
             results[f"{name}, {c} at a time"] = row
     return results
 
@@ -70,12 +77,18 @@ def run(
     from engine.async_llm import AsyncLLM
 
     args = {key: value for key, value in engine_args.items() if key != "speculative_config"}
-    engines = {"off": AsyncLLM(model, **args), "ngram": AsyncLLM(model, speculative_config=spec, **args)}
+    engines = {"off": AsyncLLM(model, **args), "drafts": AsyncLLM(model, speculative_config=spec, **args)}
+
+    def renew() -> None:
+        engines["drafts"].shutdown()
+        engines["drafts"] = AsyncLLM(model, speculative_config=spec, **args)
+
     try:
         data = json.loads(PROMPTS.read_text())
         sets = {name: [engines["off"].chat_prompt(m) for m in chats] for name, chats in data.items()}
         params = SamplingParams(temperature=0.0, max_tokens=output_len)
-        results = asyncio.run(_bench(engines, sets, params, concurrency, rounds))
+        fresh = renew if json.loads(spec).get("method") == "suffix" else None
+        results = asyncio.run(_bench(engines, fresh, sets, params, concurrency, rounds))
     finally:
         for llm in engines.values():
             llm.shutdown()
@@ -86,12 +99,12 @@ def format_report(result: dict) -> str:
     lines = [
         f"speculative decoding {result['speculative_config']}, greedy, up to {result['output_len']} tokens"
     ]
-    lines.append(f"{'':34} {'off tok/s':>10} {'ngram tok/s':>12} {'ratio':>6} {'accept len':>10} same")
+    lines.append(f"{'':34} {'off tok/s':>10} {'drafts tok/s':>12} {'ratio':>6} {'accept len':>10} same")
     for name, row in result["rows"].items():
         length = row["mean_acceptance_length"]
         length = f"{length:.2f}" if length is not None else "-"
         lines.append(
-            f"{name:34} {row['off']:10.1f} {row['ngram']:12.1f} {row['ratio']:6.2f} {length:>10} "
+            f"{name:34} {row['off']:10.1f} {row['drafts']:12.1f} {row['ratio']:6.2f} {length:>10} "
             f"{'yes' if row['same_answers'] else 'NO'}"
         )
     lines.append(

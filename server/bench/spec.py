@@ -53,6 +53,8 @@ async def _bench(
                 order = list(engines) if r % 2 else list(reversed(engines))
                 for kind in order:
                     if kind == "drafts" and renew is not None:
+                        if not r:  # a fresh engine each timed run: nothing to warm
+                            continue
                         renew()
                     llm = engines[kind]
                     before = _accepted(await llm.get_stats())

@@ -114,6 +114,9 @@ class InputBatch:
         """`max_drafts`: the drafted tokens a sequence may verify in a step, each a single-query row too."""
         self.block_size, self.device = block_size, device
         self.buckets = decode_buckets(max_num_seqs * (1 + max_drafts))
+        if max_drafts:  # a few sequences verifying every draft: their exact rows, not the next power of two
+            verify = {n * (1 + max_drafts) for n in (1, 2, 4) if n <= max_num_seqs}
+            self.buckets = sorted(set(self.buckets) | verify)
         self.table_width = max(max_blocks_per_seq, 2)
         self.block_table = torch.zeros(max_num_seqs + 1, self.table_width, dtype=torch.int64)
         self.null_row = max_num_seqs

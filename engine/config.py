@@ -139,8 +139,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     speculative_config: Annotated[
         SpeculativeConfig | None,
         _help(
-            'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-            '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (drafts from the request\'s own tokens)'
+            'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 8}\': drafts '
+            "from each request's own tokens (ngram: prompt lookup; suffix: also recent requests' outputs), "
+            "verified in one forward, output unchanged"
         ),
     ] = None
     max_pending_requests: Annotated[

@@ -187,3 +187,11 @@ def test_a_bad_speculative_config_is_a_clear_error():
     ]:
         with pytest.raises(ValueError, match=why):
             EngineConfig(speculative_config=bad)
+
+
+def test_decode_rows_of_sequences_verifying_every_draft_are_not_padded_further():
+    from compiled.input_batch import InputBatch
+
+    batch = InputBatch(4, 8, 16, torch.device("cpu"), max_drafts=8)
+    assert {9, 18, 36} <= set(batch.buckets) and batch.buckets[-1] == 36
+    assert batch.decode_rows(9) == 9 and batch.decode_rows(10) == 16

@@ -10,7 +10,7 @@ import torch
 
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.llm import LLM
-from engine.params import SamplingParams
+from engine.params import SamplingParams, StructuredOutputsParams
 from engine.proposer import ContextCounts, NgramIndex, NgramProposer, SuffixProposer
 from engine.request import Request
 
@@ -23,7 +23,7 @@ VOCAB = 96  # small enough that a random model's greedy text falls into loops th
 
 
 @pytest.fixture(scope="module")
-def tiny_chat_model(tmp_path_factory, smollm2_dir) -> str:
+def looping_model(tmp_path_factory, smollm2_dir) -> str:
     """A random 2-layer Llama over the first VOCAB ids of SmolLM2's tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -54,8 +54,8 @@ def engine(model: str, spec: dict | None, **args) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_chat_model) -> list[list[int]]:
-    with engine(tiny_chat_model, None) as llm:
+def reference(looping_model) -> list[list[int]]:
+    with engine(looping_model, None) as llm:
         return [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
 
 
@@ -72,8 +72,8 @@ def reference(tiny_chat_model) -> list[list[int]]:
     ],
     ids=["eager", "chunked", "preemption", "async", "compiled", "suffix", "suffix-chunked-preemption"],
 )
-def test_greedy_output_is_the_same_with_drafts(tiny_chat_model, reference, spec, args):
-    with engine(tiny_chat_model, spec, **args) as llm:
+def test_greedy_output_is_the_same_with_drafts(looping_model, reference, spec, args):
+    with engine(looping_model, spec, **args) as llm:
         outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
         stats = llm.get_stats()
     assert [o.outputs[0].token_ids for o in outs] == reference
@@ -88,13 +88,13 @@ def test_greedy_output_is_the_same_with_drafts(tiny_chat_model, reference, spec,
         assert stats["num_preemptions"] > 0
 
 
-def test_max_tokens_stops_and_n_samples_and_seeds_are_unchanged_by_drafts(tiny_chat_model, reference):
+def test_max_tokens_stops_and_n_samples_and_seeds_are_unchanged_by_drafts(looping_model, reference):
     seeded = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_tokens=30, seed=7, ignore_eos=True)
     two = SamplingParams(n=2, temperature=1.0, max_tokens=30, seed=3, ignore_eos=True, presence_penalty=0.5)
     short = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in range(1, 12)]
     runs = []
     for spec in (None, SPEC):
-        with engine(tiny_chat_model, spec) as llm:
+        with engine(looping_model, spec) as llm:
             got = llm.generate([prompts()[0]] * len(short), short, use_tqdm=False)
             got += llm.generate(prompts()[:2], seeded, use_tqdm=False)
             got += llm.generate(prompts()[:1], two, use_tqdm=False)
@@ -106,13 +106,13 @@ def test_max_tokens_stops_and_n_samples_and_seeds_are_unchanged_by_drafts(tiny_c
         assert out == [reference[0][:m]]
 
 
-def test_stop_strings_end_the_text_where_they_would_without_drafts(tiny_chat_model):
-    with engine(tiny_chat_model, None) as llm:
+def test_stop_strings_end_the_text_where_they_would_without_drafts(looping_model):
+    with engine(looping_model, None) as llm:
         text = llm.generate(prompts()[0], GREEDY, use_tqdm=False)[0].outputs[0].text
     stop = SamplingParams(temperature=0.0, max_tokens=40, stop=[text[len(text) // 2 : len(text) // 2 + 3]])
     outs = []
     for spec in (None, SPEC):
-        with engine(tiny_chat_model, spec) as llm:
+        with engine(looping_model, spec) as llm:
             outs.append(llm.generate(prompts()[0], stop, use_tqdm=False)[0].outputs[0])
     assert (outs[0].text, outs[0].finish_reason) == (outs[1].text, outs[1].finish_reason)
     assert outs[1].finish_reason == "stop" and len(outs[1].text) < len(text)
@@ -175,6 +175,16 @@ def test_suffix_drafts_what_recent_requests_wrote_as_far_as_the_evidence_goes():
     unsure = Request("d", [10, 30, 10, 31, 10], SamplingParams())
     proposer.config = msgspec.structs.replace(config, suffix_decoding_min_token_prob=0.5)
     assert proposer.propose(unsure, 8) == []  # 10 was followed by 30, 31 and 20: none likely enough
+
+
+def test_constrained_requests_do_not_draft_beside_ones_that_do(tiny_chat_model):
+    choice = SamplingParams(
+        temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])
+    )
+    with engine(tiny_chat_model, SPEC) as llm:
+        free, constrained = llm.generate([prompts()[0]] * 2, [GREEDY, choice], use_tqdm=False)
+    assert constrained.outputs[0].text in ("yes", "no") and constrained.metrics.num_draft_tokens == 0
+    assert free.metrics.num_draft_tokens > 0
 
 
 def test_a_bad_speculative_config_is_a_clear_error():

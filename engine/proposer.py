@@ -7,7 +7,7 @@ draft changes how fast tokens come, never which tokens come.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 from engine.config import SpeculativeConfig
@@ -134,7 +134,7 @@ class SuffixProposer(Proposer):
         super().__init__(config)
         self.depth = config.suffix_decoding_max_tree_depth
         self.shared = ContextCounts(self.depth)  # recent requests' outputs
-        self.outputs: OrderedDict[str, list[int]] = OrderedDict()  # least recently finished first
+        self.outputs: deque[list[int]] = deque()  # least recently finished first (ids may be reused)
 
     def new_index(self) -> ContextCounts:
         return ContextCounts(self.depth)
@@ -164,10 +164,10 @@ class SuffixProposer(Proposer):
 
     def finished(self, req: Request) -> None:
         if req.output_token_ids:
-            self.outputs[req.request_id] = list(req.output_token_ids)
-            self.shared.add(self.outputs[req.request_id])
+            self.outputs.append(list(req.output_token_ids))
+            self.shared.add(self.outputs[-1])
         while len(self.outputs) > self.config.suffix_decoding_max_cached_requests:
-            self.shared.add(self.outputs.popitem(last=False)[1], sign=-1)
+            self.shared.add(self.outputs.popleft(), sign=-1)
 
 
 @dataclass

@@ -172,6 +172,10 @@ def test_suffix_drafts_what_recent_requests_wrote_as_far_as_the_evidence_goes():
     other.output_token_ids = [10, 20, 21]
     proposer.finished(other)  # the cache holds one request: the first's output is forgotten
     assert proposer.shared.counts[(10,)] == {20: 1}
+    again = Request("c", [8], SamplingParams())  # an id used before: still one output, counted once
+    again.output_token_ids = [10, 22]
+    proposer.finished(again)
+    assert proposer.shared.counts == {(10,): {22: 1}}
     unsure = Request("d", [10, 30, 10, 31, 10], SamplingParams())
     proposer.config = msgspec.structs.replace(config, suffix_decoding_min_token_prob=0.5)
     assert proposer.propose(unsure, 8) == []  # 10 was followed by 30, 31 and 20: none likely enough

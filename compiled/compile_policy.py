@@ -34,6 +34,7 @@ from compiled.attention import AttentionMetadata
 from compiled.input_batch import InputBatch
 from compiled.models.linear import PACKED_PREFILL_DTYPES, cpu_matmul_dtype
 from compiled.plan import OWN_CALLS, MatmulPlan, PartCalls, StepPlan, call_module
+from compiled.w8a8 import Int8Linear
 
 logger = logging.getLogger("kiln.runner")
 
@@ -215,7 +216,9 @@ class CompilePolicy:
         few_rows, few = 1, MatmulPlan(matvec=True)
         if not self.eager and cpu:
             packed = any(getattr(m, "prepacked", None) is not None for m in model.layers.modules())
-            if quantized:
+            if any(isinstance(m, Int8Linear) for m in model.layers.modules()):
+                few_rows = 1  # from two rows on oneDNN's int8 GEMM ran faster than the one-row reduction
+            elif quantized:
                 few_rows = FEW_QUANTIZED_ROWS
             elif cpu_matmul_dtype(dtype) != torch.float32:
                 few_rows = FEW_HALF_ROWS_PACKED if packed else FEW_HALF_ROWS

@@ -23,6 +23,7 @@ from compiled.models.linear import CPU_HAS_FAST_BF16, Linear
 from compiled.models.llama import ModelArgs, Transformer, rope_inv_freq
 from compiled.parallel import Split
 from compiled.quant import TILE, PackedWeight, QuantEmbedding, Quantized, QuantLinear, quantizable, quantize
+from compiled.w8a8 import INT8_ISA, calibration_prompts, quantize_layers
 from engine.config import tensor_parallel_error
 
 logger = logging.getLogger("kiln.loader")
@@ -148,6 +149,8 @@ def load_model(
         model = family.build(args, backend_for(device))
     if quantization == "gguf" and gguf_path is None:
         raise ValueError("quantization gguf needs a .gguf model file")
+    if quantization == "w8a8" and (device.type != "cpu" or INT8_ISA is None):
+        raise ValueError("quantization w8a8 runs on x86 CPUs with AVX2 or better (oneDNN's int8 GEMM)")
     hf = read_gguf(gguf_path, args, family) if quantization == "gguf" else read_safetensors(model_dir)
     state = convert_state_dict(hf, family)
     if args.tie_word_embeddings:
@@ -176,4 +179,6 @@ def load_model(
     if quantization in ("int8", "int4"):
         quantize_model(model, quantization)
     model.inv_freq = rope_inv_freq(args).to(device)  # built on the meta device above
+    if quantization == "w8a8":
+        quantize_layers(model, calibration_prompts(model_dir))
     return model.eval()

@@ -59,7 +59,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         str,
         _help(
             "none (weights in dtype), gguf (compute on a GGUF file's own Q4_0/Q4_1/Q8_0 blocks), "
-            "int8 (weight-only, groups of 64) or int4 (weight-only, groups of 32)"
+            "int8 (weight-only, groups of 64), int4 (weight-only, groups of 32) or w8a8 (int8 weights per "
+            "channel times int8 activations per token, CPU)"
         ),
     ] = "none"
     max_model_len: Annotated[int | None, _help("context length (default: the model's)")] = None
@@ -184,9 +185,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
         check(0.0 < self.cpu_kv_cache_fraction < 1.0, "cpu_kv_cache_fraction", "must be in (0, 1)")
         check(
-            self.quantization in ("none", "gguf", "int8", "int4"),
+            self.quantization in ("none", "gguf", "int8", "int4", "w8a8"),
             "quantization",
-            "must be none, gguf, int8 or int4",
+            "must be none, gguf, int8, int4 or w8a8",
         )
         check(
             self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),

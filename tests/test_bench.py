@@ -49,6 +49,17 @@ def test_bench_runner_on_a_tiny_model(tiny_llama, tmp_path, capsys):
     assert "compiled / transformers" in printed and "batch-1 compiled decode = " in printed
 
 
+def test_bench_runner_against_other_weights_compares_two_compiled_runners(tiny_chat_model, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    args = ["bench", "runner", "--model", tiny_chat_model, "--batches", "1,2", "--context", "40"]
+    args += ["--steps", "2", "--prefill-len", "24", "--no-compare", "--json", str(out)]
+    assert main([*args, "--quantization", "w8a8", "--against", "none:float32"]) == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["quantization"] == "w8a8" and "kiln_eager" not in result
+    assert result["kiln_none_float32"]["decode_tok_s"]["2"] > 0
+    assert "compiled / kiln_none_float32" in capsys.readouterr().out
+
+
 def test_runner_engines_take_turns():
     log = []
 

@@ -1,6 +1,8 @@
 """Quantized weights: GGUF blocks read exactly, the packed layout's kernels, and whole models against
 transformers on the same de-quantized weights."""
 
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -79,7 +81,7 @@ def test_a_weight_whose_rows_do_not_fill_tiles_is_computed_dequantized(caplog):
 
 
 def test_bad_quantization_is_refused_before_the_engine_starts(tiny_llama):
-    with pytest.raises(ValueError, match="quantization must be none, gguf, int8 or int4"):
+    with pytest.raises(ValueError, match="quantization must be none, gguf, int8, int4 or w8a8"):
         EngineConfig(quantization="fp3")
     with pytest.raises(ValueError, match=r"quantization gguf needs a \.gguf model file"):
         LLM(model=tiny_llama, quantization="gguf")
@@ -131,15 +133,7 @@ def test_gguf_blocks_match_transformers_smollm2(smollm2_dir, smollm2_hf):
     assert "few" in runner.policy.decode_graphs  # the decode batches took the fused several-row kernel
 
 
-TEXT = (
-    "The kiln is a thermally insulated chamber, a type of oven, that produces temperatures sufficient to "
-    "complete some process, such as hardening, drying, or chemical changes. Kilns have been used for "
-    "millennia to turn objects made from clay into pottery, tiles and bricks. Various industries use "
-    "rotary kilns for pyroprocessing: to calcinate ores, to calcinate limestone to lime for cement, and "
-    "to transform many other materials. The earliest known kilns date from about 6000 BC, and were found "
-    "at the Yarim Tepe site in modern Iraq. Neolithic kilns were able to produce temperatures greater "
-    "than 900 degrees Celsius."
-)
+TEXT = (Path(__file__).parent / "perplexity.txt").read_text()  # prose, about 900 tokens
 
 
 def _perplexity(smollm2_dir: str, **engine_args) -> float:

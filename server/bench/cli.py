@@ -36,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
             compare=not args.no_compare,
             num_threads=args.num_threads,
             quantization=args.quantization,
+            against=args.against,
         )
         print(bench.format_report(result))
     elif args.bench == "gpu-check":
@@ -167,7 +168,10 @@ def parser() -> argparse.ArgumentParser:
     runner.add_argument("--prefill-len", type=int, default=512)
     runner.add_argument("--num-threads", type=int, default=None)
     runner.add_argument("--no-compare", action="store_true", help="skip transformers")
-    runner.add_argument("--quantization", default="none", help="kiln's weights: none, gguf, int8 or int4")
+    runner.add_argument("--quantization", default="none", help="none, gguf, int8, int4 or w8a8")
+    runner.add_argument(
+        "--against", default=None, help="QUANTIZATION:DTYPE: compiled kiln on those weights instead of eager"
+    )
     startup = kinds.add_parser("startup", help="process start to first token, cold and warm compile cache")
     startup.add_argument("--model", default=None)
     startup.add_argument("--dtype", default="auto")

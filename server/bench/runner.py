@@ -196,9 +196,11 @@ def run(
     compare: bool = True,
     num_threads: int | None = None,
     quantization: str = "none",
+    against: str | None = None,
 ) -> dict:
     """Compiled vs eager kiln vs transformers, plus the memory roofline, measured in one run.
-    Transformers runs the de-quantized weights whatever kiln's `quantization`."""
+    Transformers runs the de-quantized weights whatever kiln's `quantization`. `against`
+    ("QUANTIZATION:DTYPE", e.g. "none:bfloat16"): compiled kiln on those weights instead of eager kiln."""
     from compiled.loader import resolve_dtype
 
     path = model_dir(model)
@@ -220,12 +222,19 @@ def run(
             "steps": steps,
             "prefill_len": prefill_len,
             "threads": num_threads or torch.get_num_threads(),
+            "against": against,
         }
     }
     copy = Copy()
     engines, batch = {}, max(batches)
     engines["kiln_compiled"], compiled_warmup = kiln_engine(dict(common), batch, context, prefill_len)
-    engines["kiln_eager"], _ = kiln_engine(dict(common, enforce_eager=True), batch, context, prefill_len)
+    if against:
+        quant, _, against_dtype = against.partition(":")
+        other = dict(common, quantization=quant, dtype=against_dtype or dtype)
+        other["model"] = model if quant == "gguf" else path
+        engines[f"kiln_{quant}_{other['dtype']}"], _ = kiln_engine(other, batch, context, prefill_len)
+    else:
+        engines["kiln_eager"], _ = kiln_engine(dict(common, enforce_eager=True), batch, context, prefill_len)
     if compare:
         from transformers import AutoModelForCausalLM
 
@@ -249,7 +258,7 @@ def format_report(r: dict) -> str:
         "| decode tok/s | " + " | ".join(f"batch {b}" for b in r["config"]["batches"]) + " | prefill tok/s |",
         "|---|" + "---|" * (len(r["config"]["batches"]) + 1),
     ]
-    engines = [k for k in ("kiln_compiled", "kiln_eager", "transformers") if k in r]
+    engines = [k for k in r if k.startswith("kiln_") or k == "transformers"]
     for k in engines:
         d = r[k]["decode_tok_s"]
         rows.append(
@@ -257,7 +266,7 @@ def format_report(r: dict) -> str:
             + " | ".join(f"{d[b]:.1f}" for b in r["config"]["batches"])
             + f" | {r[k]['prefill_tok_s']:.0f} |"
         )
-    base = "transformers" if "transformers" in r else "kiln_eager"
+    base = "transformers" if "transformers" in r else engines[1]
     d, ref = r["kiln_compiled"]["decode_tok_s"], r[base]["decode_tok_s"]
     rows.append(
         f"| compiled / {base} | "

@@ -1,0 +1,233 @@
+"""W8A8 linears: int8 weights made at load (symmetric, one scale per output channel) times activations
+quantized to int8 per token as each step runs, through oneDNN's int8 GEMM on weights prepacked once
+(`onednn.qlinear_pointwise`, what PT2E's x86 quantization lowers to). CPUs multiply int8 at twice their
+bfloat16 rate or more: AVX-512 VNNI's and AVX-VNNI's `vpdpbusd`, AMX's int8 tiles.
+
+- Activations go in as uint8 about a zero point of 128: oneDNN's fast kernels are u8 x s8, and signed
+  activations fell to a reference kernel hundreds of times slower.
+- Without VNNI the products go through `vpmaddubsw`, which adds pairs of u8 x s8 products in int16 and
+  saturates, so weights there keep 7 bits (|q| <= 63): 2 * 255 * 63 fits, and every path computes the
+  exact product of its quantized operands.
+- The GEMM's output, in the step's dtype, is scaled per channel inside it and per token after it; the
+  activations' quantization is traced into the layer's graph, where Inductor fuses it with the op
+  before it (RMSNorm, SiLU x up). The GEMM is an op of kiln's: Inductor's own lowering of oneDNN's
+  takes the weight for a constant, and kiln's layer graphs take weights as inputs.
+- One row, or a few, take the weight-only reduction of compiled/quant.py over a tiled copy of the same
+  int8 values: such a step costs reading the weight, which the GEMM reads no faster.
+- Per-token activations lose most where a few channels carry outliers (the input of the MLP's down
+  projection above all). SmoothQuant's migration moves part of each input channel's range into the
+  weight's column (x / s times W * s), with s from each channel's largest input over the shipped
+  calibration chats (calibration.json), run once at load.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from torch._inductor import inductor_prims
+
+from compiled.attention import AttentionMetadata
+from compiled.models.linear import Linear
+from compiled.plan import MatmulPlan, StepPlan
+from compiled.quant import PackedWeight, Quantized, quantizable
+
+logger = logging.getLogger("kiln.loader")
+
+ZERO_POINT = 128  # of the uint8 activations: signed values -127..127 shifted
+# SmoothQuant's migration strength: the share of an input channel's range moved into the weight.
+SMOOTHING = 0.6
+CALIBRATION = Path(__file__).with_name("calibration.json")
+# oneDNN's x86 int8 ISAs, weakest first, as ONEDNN_MAX_CPU_ISA names them, with the CPU flag of each.
+ISAS = (
+    ("AVX2", "avx2"),
+    ("AVX2_VNNI", "avx_vnni"),
+    ("AVX512_CORE", "avx512bw"),
+    ("AVX512_CORE_VNNI", "avx512_vnni"),
+    ("AVX512_CORE_AMX", "amx_int8"),
+)
+
+
+def int8_isa(flags: str | None = None, cap: str | None = None) -> str | None:
+    """The ISA oneDNN's int8 GEMM runs on here: the best the CPU's flags name, at most the one
+    ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA) allows; None without AVX2 or off x86."""
+    if flags is None:
+        try:
+            flags = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    if cap is None:
+        cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL"
+    names = [name for name, _ in ISAS]
+    found = [name for name, flag in ISAS if re.search(rf"\b{flag}\b", flags)]
+    if not found:
+        return None
+    best = found[-1]
+    cap = cap.upper()
+    if cap in names and names.index(cap) < names.index(best):
+        return cap
+    return best
+
+
+def weight_max(isa: str | None) -> int:
+    """The largest |q| of a weight field: 127 where products accumulate in 32 bits (VNNI, AMX), 63 where
+    `vpmaddubsw`'s 16-bit pair sums would saturate on 8-bit weights."""
+    return 127 if isa is not None and ("VNNI" in isa or "AMX" in isa) else 63
+
+
+INT8_ISA = int8_isa()
+
+
+def quantize_weight(w: Tensor, top: int) -> tuple[Tensor, Tensor]:
+    """Round to nearest, symmetric per output channel: fields int8 [N, K] in -top..top, scales [N] float32."""
+    w = w.detach().float()
+    scale = (w.abs().amax(-1) / top).clamp_min(1e-12)
+    return torch.round(w / scale[:, None]).clamp(-top, top).to(torch.int8), scale
+
+
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Per token, symmetric: uint8 fields [M, K] about ZERO_POINT, and each row's scale [M, 1] float32.
+    An all-zero row (padding) gets fields of zero, not a division by zero."""
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 127
+    return (torch.round(xf / scale) + ZERO_POINT).to(torch.uint8), scale
+
+
+def smoothing(input_max: Tensor, weight: Tensor, alpha: float = SMOOTHING) -> Tensor:
+    """SmoothQuant's factor per input channel, s = max|x|^alpha / max|w|^(1 - alpha): [K] float32."""
+    w_max = weight.detach().float().abs().amax(0).clamp_min(1e-5)
+    return (input_max.float().clamp_min(1e-5) ** alpha / w_max ** (1 - alpha)).clamp_min(1e-5)
+
+
+class Int8Linear(nn.Module):
+    """A linear layer on int8 weights: several rows through the int8 GEMM, one or a few (the plan's
+    `matvec`) through the weight-only reduction. Invariant: `prepacked` and `tiled` hold one quantization
+    of one weight, W * s with `smooth` s (ones if none), and both paths multiply it by x / s."""
+
+    def __init__(
+        self, weight: Tensor, bias: Tensor | None, smooth: Tensor | None = None, isa: str | None = INT8_ISA
+    ) -> None:
+        super().__init__()
+        smooth = torch.ones(weight.shape[1]) if smooth is None else smooth.float()
+        q, scale = quantize_weight(weight.detach().float() * smooth, weight_max(isa))
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        fields = (q.to(torch.int16) + 128).to(torch.uint8)
+        self.tiled = PackedWeight(Quantized(fields, scale[:, None], -128 * scale[:, None], 8, "w8a8"))
+        self.register_buffer("prepacked", torch.ops.onednn.qlinear_prepack(q, None), persistent=False)
+        self.register_buffer("scale", scale, persistent=False)
+        self.register_buffer("zero_points", torch.zeros(len(scale), dtype=torch.int64), persistent=False)
+        self.register_buffer("inverse", 1 / smooth, persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    def forward(self, x: Tensor, how: MatmulPlan) -> Tensor:
+        xs = x.float() * self.inverse
+        if how.matvec:
+            y = self.tiled.matvec(xs)
+        else:
+            # Materialised once: fused, the row maxima's pass and the quantizing pass would each recompute
+            # the op before (SiLU's exponentials).
+            q, scale = quantize_rows(inductor_prims.force_stride_order(xs, xs.stride()))
+            y = torch.ops.kiln.int8_linear(q, self.prepacked, self.scale, self.zero_points, x.dtype) * scale
+        return (y if self.bias is None else y + self.bias).to(x.dtype)
+
+    def add_to(self, h: Tensor, x: Tensor, how: MatmulPlan) -> Tensor:
+        return h + self(x, how)
+
+    def dequantized(self) -> Tensor:
+        """The weight the layer computes with, W as de-quantized, [N, K] float32."""
+        rows = self.tiled.rows(torch.arange(self.out_features, device=self.scale.device))
+        return rows * self.inverse
+
+
+def calibration_prompts(model_dir: str) -> list[list[int]]:
+    """The shipped calibration chats as the model's tokenizer writes them (its chat template, if any)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    chats = json.loads(CALIBRATION.read_text())
+    if tokenizer.chat_template:
+        texts = [tokenizer.apply_chat_template(chat, tokenize=False) for chat in chats]
+    else:
+        texts = ["\n\n".join(m["content"] for m in chat) for chat in chats]
+    return [tokenizer(text, add_special_tokens=not tokenizer.chat_template)["input_ids"] for text in texts]
+
+
+def input_maxima(model: nn.Module, prompts: list[list[int]], block_size: int = 64) -> dict[nn.Module, Tensor]:
+    """The largest |input| per channel of every Linear of the layers over `prompts`, each run eagerly as
+    one prefill in the model's own weights, over a KV cache made for it and dropped after."""
+    maxima: dict[nn.Module, Tensor] = {}
+
+    def record(module: nn.Module, args: tuple) -> None:
+        x = args[0].detach().float().abs().amax(0)
+        maxima[module] = x if module not in maxima else torch.maximum(maxima[module], x)
+
+    hooks = [m.register_forward_pre_hook(record) for m in model.layers.modules() if type(m) is Linear]
+    longest = max(map(len, prompts))
+    blocks = torch.arange(1, -(-longest // block_size) + 1)  # block 0 is the null block
+    dtype = model.tok_embeddings.weight.dtype
+    model.allocate_kv_cache(len(blocks) + 1, block_size, dtype)
+    model.cache_rope(longest, dtype)
+    empty = torch.zeros(0, dtype=torch.int64)
+    try:
+        for ids in prompts:
+            n = len(ids)
+            meta = AttentionMetadata(
+                slot_mapping=torch.arange(block_size, block_size + n),
+                decode_block_tables=empty.view(0, 1),
+                decode_seq_lens=empty,
+                prefill_block_tables=torch.stack([blocks, torch.zeros_like(blocks)]),
+                prefill_chunks=torch.tensor([[0, n], [0, 0]]),
+            )
+            with torch.no_grad():
+                model(torch.tensor(ids), torch.arange(n), meta, StepPlan("prefill", MatmulPlan(), "matmul"))
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for layer in model.layers:
+            layer.attention.k_cache = layer.attention.v_cache = None
+    return maxima
+
+
+def quantize_layers(model: nn.Module, prompts: list[list[int]]) -> None:
+    """Every Linear of the layers that packs in tiles replaced by an Int8Linear, smoothed by its inputs'
+    maxima over `prompts`."""
+    maxima = input_maxima(model, prompts)
+    logger.info(
+        "w8a8: oneDNN's int8 GEMM on %s, weights of %d bits, smoothed over %d calibration tokens",
+        INT8_ISA,
+        8 if weight_max(INT8_ISA) == 127 else 7,
+        sum(map(len, prompts)),
+    )
+    for name, module in list(model.layers.named_modules()):
+        if type(module) is Linear and quantizable("int8", module.weight):
+            parent, _, attr = name.rpartition(".")
+            smooth = smoothing(maxima[module], module.weight)
+            setattr(model.layers.get_submodule(parent), attr, Int8Linear(module.weight, module.bias, smooth))
+
+
+_lib = torch.library.Library("kiln", "FRAGMENT")
+_lib.define(
+    "int8_linear(Tensor x, Tensor packed, Tensor scale, Tensor zero_points, ScalarType dtype) -> Tensor"
+)
+
+
+def _int8_linear(x: Tensor, packed: Tensor, scale: Tensor, zero_points: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.ops.onednn.qlinear_pointwise(
+        x, 1.0, ZERO_POINT, packed, scale, zero_points, None, 1.0, 0, dtype, "none", [], ""
+    )
+
+
+for _key in ("CPU", "MkldnnCPU"):  # the prepacked weight is an oneDNN tensor
+    _lib.impl("int8_linear", _int8_linear, _key)
+
+
+@torch.library.register_fake("kiln::int8_linear")
+def _int8_linear_shape(
+    x: Tensor, packed: Tensor, scale: Tensor, zero_points: Tensor, dtype: torch.dtype
+) -> Tensor:
+    return x.new_empty(x.shape[0], scale.shape[0], dtype=dtype)

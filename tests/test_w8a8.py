@@ -1,0 +1,138 @@
+"""W8A8 linears (compiled/w8a8.py): each ISA's int8 GEMM against the exact product of its quantized
+operands, the one-row path on the same weights, smoothing, and the real model against float32."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from compiled import w8a8
+from compiled.loader import load_model
+from compiled.plan import MatmulPlan
+from compiled.w8a8 import Int8Linear, int8_isa, quantize_rows, quantize_weight, smoothing, weight_max
+from engine.config import EngineConfig
+from server.bench.driver import RunnerDriver, build_runner, chat_prompts
+from tests.test_quantization import _perplexity
+
+GEMM, ONE_ROW = MatmulPlan(packed=True), MatmulPlan(matvec=True)
+
+
+def test_the_isa_is_the_best_the_flags_name_capped_as_onednn_is():
+    spr = "flags : fpu avx2 avx512f avx512bw avx512_vnni avx_vnni amx_tile amx_int8"
+    assert int8_isa(spr, "ALL") == "AVX512_CORE_AMX"
+    assert int8_isa(spr, "avx512_core_vnni") == "AVX512_CORE_VNNI"
+    assert int8_isa(spr, "AVX2") == "AVX2"
+    assert int8_isa("flags : fpu avx2 avx512f avx512bw", "ALL") == "AVX512_CORE"  # Skylake: no VNNI
+    assert int8_isa("flags : fpu sse4_2 avx2", "AVX512_CORE_AMX") == "AVX2"  # a cap above the CPU
+    assert int8_isa("flags : fpu sse4_2", "ALL") is None
+    # 16-bit pair sums saturate without VNNI: 7-bit weights there, 8-bit where products sum in 32 bits.
+    isas = ("AVX2", "AVX512_CORE", "AVX2_VNNI", "AVX512_CORE_AMX")
+    assert [weight_max(i) for i in isas] == [63, 63, 127, 127]
+
+
+def _gemm_error(isa: str | None) -> float:
+    """Relative error of the GEMM path against the exact product of its quantized operands, activations
+    over their whole range (every field 1..255 occurs), with a bias."""
+    torch.manual_seed(0)
+    w, bias = torch.randn(96, 576) * 0.05, torch.randn(96)
+    x = torch.randn(64, 576) * 3
+    x[:, 5] = 40.0  # an outlier channel, so most other fields sit far from the zero point
+    smooth = torch.rand(576) + 0.5
+    layer = Int8Linear(w, bias, smooth, isa=isa)
+    q, x_scale = quantize_rows(x * (1 / smooth))
+    wq, w_scale = quantize_weight(w * smooth, weight_max(isa))
+    exact = (q.double() - 128) @ wq.double().T * w_scale.double() * x_scale.double() + bias.double()
+    y = layer(x, GEMM).double()
+    return float((y - exact).norm() / exact.norm())
+
+
+@pytest.mark.parametrize("cap", [None, "AVX2", "AVX512_CORE_VNNI"])
+def test_the_int8_gemm_is_the_exact_product_of_its_quantized_operands(cap):
+    """Each ISA oneDNN runs here (AVX2 and VNNI by capping it, in a process of their own): a wrong
+    scale, zero point or saturating sum would be far off."""
+    if cap is None:
+        assert _gemm_error(w8a8.INT8_ISA) < 1e-6
+        return
+    code = "from tests.test_w8a8 import _gemm_error, w8a8; print(w8a8.INT8_ISA, _gemm_error(w8a8.INT8_ISA))"
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA=cap, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    isa, error = out.stdout.split()[-2:]
+    assert isa == min(cap, w8a8.INT8_ISA, key=[name for name, _ in w8a8.ISAS].index)
+    assert float(error) < 1e-6, out.stdout
+
+
+def test_zero_rows_quantize_to_the_zero_point_and_others_span_the_range():
+    x = torch.randn(3, 64)
+    x[1] = 0
+    q, scale = quantize_rows(x)
+    assert torch.isfinite(scale).all()
+    assert (q[1] == 128).all()
+    assert ((q[[0, 2]].int() - 128).abs().amax(-1) == 127).all()
+
+
+def test_the_one_row_reduction_computes_with_the_gemm_s_weights():
+    torch.manual_seed(1)
+    w, x = torch.randn(48, 128), torch.randn(3, 128)
+    layer = Int8Linear(w, None, torch.rand(128) + 0.5)
+    one_row = layer(x, ONE_ROW)
+    torch.testing.assert_close(one_row, x @ layer.dequantized().T, rtol=1e-4, atol=1e-4)
+    assert (layer.dequantized() - w).abs().max() < 0.02 * w.abs().max()
+    # The GEMM differs from it by the activations' rounding alone.
+    assert (layer(x, GEMM) - one_row).norm() / one_row.norm() < 0.02
+
+
+def test_smoothing_moves_an_outlier_channel_s_range_into_the_weight():
+    torch.manual_seed(2)
+    w, x = torch.randn(64, 256) * 0.05, torch.randn(32, 256)
+    x[:, 3] *= 60
+    exact = x @ w.T
+
+    def error(layer: Int8Linear) -> float:
+        return float((layer(x, GEMM) - exact).norm() / exact.norm())
+
+    plain, smoothed = error(Int8Linear(w, None)), error(Int8Linear(w, None, smoothing(x.abs().amax(0), w)))
+    assert smoothed < plain / 2, (plain, smoothed)
+
+
+def test_w8a8_is_a_cpu_quantization(smollm2_dir):
+    assert EngineConfig(quantization="w8a8").quantization == "w8a8"
+    with pytest.raises(ValueError, match="w8a8 runs on x86 CPUs"):
+        load_model(smollm2_dir, torch.float32, torch.device("cuda"), "w8a8")
+
+
+@pytest.mark.slow
+def test_w8a8_perplexity_stays_within_one_and_a_half_percent_of_float32(smollm2_dir):
+    reference = _perplexity(smollm2_dir, dtype="float32")
+    ours = _perplexity(smollm2_dir, dtype="float32", quantization="w8a8")
+    assert abs(ours / reference - 1) < 0.015, (reference, ours)
+
+
+@pytest.mark.slow
+def test_compiled_w8a8_decodes_what_float32_would_choose(smollm2_dir, smollm2_hf):
+    """Greedy continuations, compiled, nine prompts batched (GEMM steps) and one alone (one-row steps):
+    at 90 % of their positions (measured: 94-96 %) the token is float32 transformers' own argmax after
+    the same tokens. Whole continuations part from float32's sooner: bfloat16's own do too, after a
+    first close call."""
+    runner = build_runner(None, dtype="float32", quantization="w8a8", max_num_seqs=16)
+    runner.initialize_kv_cache(64)
+    runner.warmup()
+    prompts = chat_prompts(AutoTokenizer.from_pretrained(smollm2_dir), 9)
+    drv = RunnerDriver(runner, chunk=24)
+    for i, p in enumerate(prompts):
+        drv.add(str(i), p)
+    out = drv.generate(24)
+    for _ in range(8):  # the first prompt alone: one-row steps
+        drv.step(["0"])
+    out["0"] = drv.reqs["0"]["out"][:32]
+    assert set(runner.policy.decode_graphs) == {"one", "more"}  # from two rows on, the GEMM
+    agree = total = 0
+    with torch.no_grad():
+        for i, p in enumerate(prompts):
+            tokens = out[str(i)]
+            logits = smollm2_hf(torch.tensor([p + tokens])).logits[0, len(p) - 1 : -1]
+            agree += int((logits.argmax(-1) == torch.tensor(tokens)).sum())
+            total += len(tokens)
+    assert agree >= 0.9 * total, (agree, total)

@@ -92,10 +92,12 @@ def quantize_weight(w: Tensor, top: int) -> tuple[Tensor, Tensor]:
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """Per token, symmetric: uint8 fields [M, K] about ZERO_POINT, and each row's scale [M, 1] float32.
-    An all-zero row (padding) gets fields of zero, not a division by zero."""
+    An all-zero row (padding) gets fields of zero, not a division by zero. The fields are computed from
+    the row maxima themselves, not from the scales: Inductor then quantizes each row in the loop that
+    found its maximum, while the row is in cache."""
     xf = x.float()
-    scale = xf.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 127
-    return (torch.round(xf / scale) + ZERO_POINT).to(torch.uint8), scale
+    top = xf.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    return (torch.round(xf * (127 / top)) + ZERO_POINT).to(torch.uint8), top / 127
 
 
 def smoothing(input_max: Tensor, weight: Tensor, alpha: float = SMOOTHING) -> Tensor:

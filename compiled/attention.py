@@ -341,6 +341,10 @@ class AttentionBackend:
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         raise NotImplementedError
 
+    def choose_paths(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> str | None:
+        """Paths decided by timing them at start, where the device has a choice; a line for the log."""
+        return None
+
     def prefill(
         self,
         q: Tensor,

@@ -1,26 +1,62 @@
 """CPU attention: the KV cache in memory committed as blocks are first used, and a step's fresh prompts
-tiled together (compiled/attention.py: `_fresh_prompts`)."""
+tiled together (compiled/attention.py: `_fresh_prompts`) or through SDPA one by one, whichever ran sooner
+on this CPU at start."""
 
 from __future__ import annotations
 
 import contextlib
 import math
 import mmap
+import time
 
 import torch
 from torch import Tensor
 
-from compiled.attention import AttentionBackend
+from compiled.attention import AttentionBackend, prefill_attention_chunks, write_kv
+
+# The fresh prompts a start-up timing runs: a prefill step's worth of the lengths a chat server meets.
+TIMED_PROMPTS = (384, 320, 256, 256, 192, 128)
 
 
 class CpuAttention(AttentionBackend):
     # Inductor's CPU kernels use 32-byte vectors on AVX2 and 64-byte ones on AVX-512.
     vector_bytes = 64 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 32
-    # Batched tile by tile, fresh prompts beat SDPA called prompt by prompt (see `_fresh_prompts`).
+    # Batched tile by tile, fresh prompts beat SDPA called prompt by prompt on AVX-512 without AMX (see
+    # `_fresh_prompts`); SDPA's flash kernel won by far on AMX. `choose_paths` times both.
     tile_fresh_prompts = True
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         return _lazy_zeros(shape, dtype)
+
+    def choose_paths(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> str:
+        """Tiles or SDPA for a step's fresh prompts, whichever ran `TIMED_PROMPTS` sooner here (best of
+        three each); a line for the log."""
+        lens, bs = list(TIMED_PROMPTS), 64
+        n, blocks = sum(lens), sum(-(-length // bs) for length in lens)
+        g = torch.Generator().manual_seed(0)  # the process's own random state stays untouched
+        q, k, v = (torch.randn(n, h, head_dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
+        k_cache, v_cache = self.new_kv_cache(blocks + 1, bs, kv_heads, head_dim, dtype)
+        tables = torch.arange(1, blocks + 1).split([-(-length // bs) for length in lens])
+        tables = torch.nn.utils.rnn.pad_sequence(list(tables), batch_first=True)
+        slots = [
+            tables[i, torch.arange(length) // bs] * bs + torch.arange(length) % bs
+            for i, length in enumerate(lens)
+        ]
+        write_kv(k_cache, v_cache, k, v, torch.cat(slots))
+        chunks = torch.tensor([[0, length] for length in lens])
+
+        def seconds(tiles: bool) -> float:
+            runs = []
+            for _ in range(4):  # the first warms up
+                start = time.perf_counter()
+                prefill_attention_chunks(q, k, v, k_cache, v_cache, tables, chunks, tiles, head_dim**-0.5)
+                runs.append(time.perf_counter() - start)
+            return min(runs[1:])
+
+        tiled, alone = seconds(True), seconds(False)
+        self.tile_fresh_prompts = tiled < alone
+        path = "tiled together" if self.tile_fresh_prompts else "through SDPA one by one"
+        return f"fresh prompts {path} (tiles {tiled * 1e3:.1f} ms, SDPA {alone * 1e3:.1f} ms)"
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:

@@ -81,6 +81,9 @@ class ModelRunner:
         drafts = spec.num_speculative_tokens if spec is not None else 0
         self.batch = InputBatch(config.max_num_seqs, self.max_blocks_per_seq, self.block_size, device, drafts)
         self.policy = CompilePolicy(self.model, device, config.enforce_eager, dtype)
+        split, backend = self.model.split, self.model.layers[0].attention.backend
+        if line := backend.choose_paths(split.heads, split.kv_heads, args.head_dim, dtype):
+            logger.info("attention: %s", line)
 
     def kv_bytes_per_block(self) -> int:
         a = self.model.args

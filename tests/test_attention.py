@@ -1,4 +1,5 @@
 import os
+import time
 
 import pytest
 import torch
@@ -148,3 +149,20 @@ def test_the_cpu_kv_cache_is_zero_and_committed_on_small_pages_as_blocks_are_wri
     assert k.count_nonzero() == k[5].numel() and v.count_nonzero() == 0
     resident_kib = int(mapping_of(k.data_ptr())["Rss"].split()[0])
     assert resident_kib <= 64, resident_kib  # the written block's pages, not the cache's 6 MiB
+
+
+@pytest.mark.parametrize("slower", [True, False], ids=["tiles-slower", "sdpa-slower"])
+def test_the_cpu_takes_the_fresh_prompt_path_that_ran_sooner(slower, monkeypatch):
+    from compiled import attention_cpu
+
+    real = attention_cpu.prefill_attention_chunks
+
+    def timed(*args):
+        time.sleep(0.01 if args[7] == slower else 0)  # args[7]: tiles
+        return real(*args)
+
+    monkeypatch.setattr(attention_cpu, "prefill_attention_chunks", timed)
+    backend = attention_cpu.CpuAttention()
+    line = backend.choose_paths(4, 2, 16, torch.float32)
+    assert backend.tile_fresh_prompts is not slower
+    assert ("tiled together" in line) is not slower and "SDPA" in line

@@ -162,6 +162,7 @@ def test_the_cpu_takes_the_fresh_prompt_path_that_ran_sooner(slower, monkeypatch
         return real(*args)
 
     monkeypatch.setattr(attention_cpu, "prefill_attention_chunks", timed)
+    monkeypatch.setattr(attention_cpu, "_timings", {})
     backend = attention_cpu.CpuAttention()
     line = backend.choose_paths(4, 2, 16, torch.float32)
     assert backend.tile_fresh_prompts is not slower

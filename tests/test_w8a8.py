@@ -1,9 +1,11 @@
 """W8A8 linears (compiled/w8a8.py): each ISA's int8 GEMM against the exact product of its quantized
 operands, the one-row path on the same weights, smoothing, and the real model against float32."""
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,3 +138,33 @@ def test_compiled_w8a8_decodes_what_float32_would_choose(smollm2_dir, smollm2_hf
             agree += int((logits.argmax(-1) == torch.tensor(tokens)).sum())
             total += len(tokens)
     assert agree >= 0.9 * total, (agree, total)
+
+
+@pytest.mark.slow
+def test_w8a8_answers_the_shipped_lm_eval_task_within_one_question_of_float32(smollm2_dir):
+    """tests/lm_eval_task scored as lm-eval scores a multiple-choice task (the summed logprobs of each
+    choice's tokens after the question; tests/test_lm_eval.py checks kiln's server against lm-eval itself)."""
+    docs = [json.loads(line) for line in (Path(__file__).parent / "lm_eval_task" / "kiln_mc.jsonl").open()]
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+
+    def correct(**engine_args) -> int:
+        runner = build_runner(None, max_num_seqs=64, num_kv_blocks=80, enforce_eager=True, **engine_args)
+        runner.initialize_kv_cache(80)
+        drv, spans = RunnerDriver(runner), {}
+        for d, doc in enumerate(docs):
+            context = tokenizer(doc["question"])["input_ids"]
+            for c, choice in enumerate(doc["choices"]):
+                ids = tokenizer(doc["question"] + " " + choice)["input_ids"]
+                drv.add(f"{d}-{c}", ids)
+                spans[f"{d}-{c}"] = (ids, len(context))
+        logits = drv.logits(drv.build())
+        score = {}
+        for rid, (ids, start) in spans.items():
+            logprobs = logits[rid].float().log_softmax(-1)[start - 1 : -1]
+            score[rid] = float(logprobs.gather(-1, torch.tensor(ids[start:])[:, None]).sum())
+        answers = [[score[f"{d}-{c}"] for c in range(len(doc["choices"]))] for d, doc in enumerate(docs)]
+        return sum(s.index(max(s)) == doc["answer"] for s, doc in zip(answers, docs))
+
+    reference = correct(dtype="float32")
+    assert reference >= len(docs) // 2  # the task is one the model mostly answers
+    assert abs(correct(dtype="float32", quantization="w8a8") - reference) <= 1

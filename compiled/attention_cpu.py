@@ -12,7 +12,7 @@ import time
 import torch
 from torch import Tensor
 
-from compiled.attention import AttentionBackend, prefill_attention_chunks, write_kv
+from compiled.attention import AttentionBackend, fresh_prompt_pages, prefill_attention_chunks, write_kv
 
 # The fresh prompts a start-up timing runs: a prefill step's worth of the lengths a chat server meets.
 TIMED_PROMPTS = (384, 320, 256, 256, 192, 128)
@@ -43,18 +43,14 @@ class CpuAttention(AttentionBackend):
 
 def _time_fresh_prompts(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[float, float]:
     """Seconds the tiles and SDPA took over `TIMED_PROMPTS`, the best of three runs each."""
-    lens, bs = list(TIMED_PROMPTS), 64
-    n, blocks = sum(lens), sum(-(-length // bs) for length in lens)
+    bs = 64
+    tables, slots, chunks = fresh_prompt_pages(list(TIMED_PROMPTS), bs)
     g = torch.Generator().manual_seed(0)  # the process's own random state stays untouched
-    q, k, v = (torch.randn(n, h, head_dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
-    k_cache, v_cache = CpuAttention().new_kv_cache(blocks + 1, bs, kv_heads, head_dim, dtype)
-    tables = torch.arange(1, blocks + 1).split([-(-length // bs) for length in lens])
-    tables = torch.nn.utils.rnn.pad_sequence(list(tables), batch_first=True)
-    positions = [torch.arange(length) for length in lens]
-    write_kv(
-        k_cache, v_cache, k, v, torch.cat([tables[i, p // bs] * bs + p % bs for i, p in enumerate(positions)])
+    q, k, v = (
+        torch.randn(len(slots), h, head_dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads)
     )
-    chunks = torch.tensor([[0, length] for length in lens])
+    k_cache, v_cache = CpuAttention().new_kv_cache(int(tables.max()) + 1, bs, kv_heads, head_dim, dtype)
+    write_kv(k_cache, v_cache, k, v, slots)
 
     def seconds(tiles: bool) -> float:
         runs = []

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch._inductor import inductor_prims
 
-from compiled.attention import AttentionMetadata
+from compiled.attention import AttentionMetadata, fresh_prompt_pages
 from compiled.models.linear import Linear
 from compiled.plan import MatmulPlan, StepPlan
 from compiled.quant import PackedWeight, Quantized, quantizable
@@ -169,24 +169,21 @@ def input_maxima(model: nn.Module, prompts: list[list[int]], block_size: int = 6
         maxima[module] = x if module not in maxima else torch.maximum(maxima[module], x)
 
     hooks = [m.register_forward_pre_hook(record) for m in model.layers.modules() if type(m) is Linear]
-    longest = max(map(len, prompts))
-    blocks = torch.arange(1, -(-longest // block_size) + 1)  # block 0 is the null block
     dtype = model.tok_embeddings.weight.dtype
-    model.allocate_kv_cache(len(blocks) + 1, block_size, dtype)
-    model.cache_rope(longest, dtype)
+    model.allocate_kv_cache(-(-max(map(len, prompts)) // block_size) + 1, block_size, dtype)
+    model.cache_rope(max(map(len, prompts)), dtype)
     empty = torch.zeros(0, dtype=torch.int64)
     try:
         for ids in prompts:
-            n = len(ids)
-            meta = AttentionMetadata(
-                slot_mapping=torch.arange(block_size, block_size + n),
-                decode_block_tables=empty.view(0, 1),
-                decode_seq_lens=empty,
-                prefill_block_tables=torch.stack([blocks, torch.zeros_like(blocks)]),
-                prefill_chunks=torch.tensor([[0, n], [0, 0]]),
-            )
+            tables, slots, chunks = fresh_prompt_pages([len(ids), 0], block_size)
+            meta = AttentionMetadata(slots, empty.view(0, 1), empty, tables, chunks)
             with torch.no_grad():
-                model(torch.tensor(ids), torch.arange(n), meta, StepPlan("prefill", MatmulPlan(), "matmul"))
+                model(
+                    torch.tensor(ids),
+                    torch.arange(len(ids)),
+                    meta,
+                    StepPlan("prefill", MatmulPlan(), "matmul"),
+                )
     finally:
         for hook in hooks:
             hook.remove()
@@ -199,17 +196,17 @@ def quantize_layers(model: nn.Module, prompts: list[list[int]]) -> None:
     """Every Linear of the layers that packs in tiles replaced by an Int8Linear, smoothed by its inputs'
     maxima over `prompts`."""
     maxima = input_maxima(model, prompts)
-    if weight_max(INT8_ISA) < 127:
-        logger.warning(
-            "w8a8 without VNNI keeps 7-bit weights, which cost SmolLM2 3 %% in perplexity, against 0.5 %% "
-            "with VNNI or AMX"
-        )
+    bits = weight_max(INT8_ISA).bit_length() + 1
     logger.info(
         "w8a8: oneDNN's int8 GEMM on %s, weights of %d bits, smoothed over %d calibration tokens",
         INT8_ISA,
-        8 if weight_max(INT8_ISA) == 127 else 7,
+        bits,
         sum(map(len, prompts)),
     )
+    if bits < 8:
+        logger.warning(
+            "w8a8 without VNNI: 7-bit weights lose more quality than with VNNI or AMX (BENCHMARKS.md)"
+        )
     for name, module in list(model.layers.named_modules()):
         if type(module) is Linear and quantizable("int8", module.weight):
             parent, _, attr = name.rpartition(".")

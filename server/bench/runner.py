@@ -204,8 +204,12 @@ def run(
     from compiled.loader import resolve_dtype
 
     path = model_dir(model)
+
+    def weights(quant: str) -> str | None:
+        return model if quant == "gguf" else path  # gguf reads the file itself
+
     common = dict(
-        model=model if quantization == "gguf" else path,  # gguf reads the file itself
+        model=weights(quantization),
         quantization=quantization,
         dtype=dtype,
         max_num_seqs=max(batches),
@@ -230,8 +234,7 @@ def run(
     engines["kiln_compiled"], compiled_warmup = kiln_engine(dict(common), batch, context, prefill_len)
     if against:
         quant, _, against_dtype = against.partition(":")
-        other = dict(common, quantization=quant, dtype=against_dtype or dtype)
-        other["model"] = model if quant == "gguf" else path
+        other = dict(common, model=weights(quant), quantization=quant, dtype=against_dtype or dtype)
         engines[f"kiln_{quant}_{other['dtype']}"], _ = kiln_engine(other, batch, context, prefill_len)
     else:
         engines["kiln_eager"], _ = kiln_engine(dict(common, enforce_eager=True), batch, context, prefill_len)

@@ -79,19 +79,6 @@ class AttentionMetadata(NamedTuple):
         return self.prefill_block_tables.shape[0] == 0
 
 
-def fresh_prompt_pages(lens: list[int], block_size: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Fresh prompts of `lens` tokens on blocks of their own, 1, 2, ... in turn (block 0 is the null block),
-    for a step run outside the scheduler: block tables [P, W] (a prompt of 0 tokens: the null row), each
-    token's slot [sum(lens)] and the chunks [P, 2]. Blocks 0 .. table.max() must exist."""
-    counts = [-(-n // block_size) for n in lens]
-    firsts = list(itertools.accumulate([1, *counts]))
-    tables = torch.zeros(len(lens), max(max(counts), 1), dtype=torch.int64)
-    for row, (first, count) in enumerate(zip(firsts, counts)):
-        tables[row, :count] = torch.arange(first, first + count)
-    slots = torch.cat([first * block_size + torch.arange(n) for first, n in zip(firsts, lens)])
-    return tables, slots, torch.tensor([[0, n] for n in lens])
-
-
 def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
     """Store this step's K/V [T, n_kv_heads, head_dim] in place; nothing copies the cache."""
     bs, c = v_cache.shape[3], v_cache.shape[4]

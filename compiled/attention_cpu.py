@@ -5,6 +5,7 @@ on this CPU at start."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import mmap
 import time
@@ -12,7 +13,7 @@ import time
 import torch
 from torch import Tensor
 
-from compiled.attention import AttentionBackend, fresh_prompt_pages, prefill_attention_chunks, write_kv
+from compiled.attention import AttentionBackend, prefill_attention_chunks, write_kv
 
 # The fresh prompts a start-up timing runs: a prefill step's worth of the lengths a chat server meets.
 TIMED_PROMPTS = (384, 320, 256, 256, 192, 128)
@@ -39,6 +40,19 @@ class CpuAttention(AttentionBackend):
         self.tile_fresh_prompts = tiled < alone
         path = "tiled together" if self.tile_fresh_prompts else "through SDPA one by one"
         return f"fresh prompts {path} (tiles {tiled * 1e3:.1f} ms, SDPA {alone * 1e3:.1f} ms)"
+
+
+def fresh_prompt_pages(lens: list[int], block_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Fresh prompts of `lens` tokens on blocks of their own, 1, 2, ... in turn (block 0 is the null block),
+    for a step run outside the scheduler: block tables [P, W] (a prompt of 0 tokens: the null row), each
+    token's slot [sum(lens)] and the chunks [P, 2]. Blocks 0 .. table.max() must exist."""
+    counts = [-(-n // block_size) for n in lens]
+    firsts = list(itertools.accumulate([1, *counts]))
+    tables = torch.zeros(len(lens), max(max(counts), 1), dtype=torch.int64)
+    for row, (first, count) in enumerate(zip(firsts, counts)):
+        tables[row, :count] = torch.arange(first, first + count)
+    slots = torch.cat([first * block_size + torch.arange(n) for first, n in zip(firsts, lens)])
+    return tables, slots, torch.tensor([[0, n] for n in lens])
 
 
 def _time_fresh_prompts(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[float, float]:

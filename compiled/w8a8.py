@@ -32,7 +32,8 @@ import torch
 from torch import Tensor, nn
 from torch._inductor import inductor_prims
 
-from compiled.attention import AttentionMetadata, fresh_prompt_pages
+from compiled.attention import AttentionMetadata
+from compiled.attention_cpu import fresh_prompt_pages
 from compiled.models.linear import Linear
 from compiled.plan import MatmulPlan, StepPlan
 from compiled.quant import PackedWeight, Quantized, quantizable

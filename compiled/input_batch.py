@@ -45,6 +45,8 @@ class CachedRequestState:
     row: int  # row of the persistent block table
     num_blocks: int
     num_computed_tokens: int
+    eos_token_id: int | None = None
+    pooled_sum: Tensor | None = None  # mean pooling: the hidden states of the prompt computed so far
 
 
 @dataclass
@@ -59,6 +61,8 @@ class StepBatch:
     drafts: list[list[int]]  # the tokens each sampled request verifies after its last known one
     # (request, first hidden row, first position, rows) whose logits score the next prompt token.
     prompt_rows: list[tuple[CachedRequestState, int, int, int]]
+    # (request, first hidden row, first position, rows) of the pooling requests' chunks.
+    pool_rows: list[tuple[CachedRequestState, int, int, int]]
 
 
 class StepInputs:
@@ -143,6 +147,7 @@ class InputBatch:
                 row,
                 len(new.block_ids),
                 new.num_computed_tokens,
+                new.eos_token_id,
             )
         for cached in so.cached_reqs:
             state = self.requests[cached.req_id]
@@ -197,6 +202,7 @@ class InputBatch:
         sampled: list[CachedRequestState] = []
         step_drafts: list[list[int]] = []
         prompt_rows: list[tuple[CachedRequestState, int, int, int]] = []
+        pool_rows: list[tuple[CachedRequestState, int, int, int]] = []
 
         # Rows for tokens start .. start + n - 1 of `s` and the drafts after them, noting those that score
         # prompt tokens and whether the last known one (and every draft) is sampled.
@@ -208,7 +214,9 @@ class InputBatch:
             positions.extend(range(start, start + n + len(draft)))
             token_ids.extend(s.token_ids[start : start + n])
             token_ids.extend(draft)
-            if start + n == len(s.token_ids):
+            if s.sampling_params.pooling is not None:
+                pool_rows.append((s, len(token_ids) - n, start, n))
+            elif start + n == len(s.token_ids):
                 logits_index.extend(range(len(token_ids) - 1 - len(draft), len(token_ids)))
                 sampled.append(s)
                 step_drafts.append(list(draft))
@@ -242,7 +250,8 @@ class InputBatch:
             prefill_chunks=put("prefill_chunks", np.array(chunk_spans).reshape(-1, 2)),
         )
         ids = put("token_ids", token_ids)
-        return StepBatch(ids, put("positions", pos_a), meta, logits_index, sampled, step_drafts, prompt_rows)
+        positions_t = put("positions", pos_a)
+        return StepBatch(ids, positions_t, meta, logits_index, sampled, step_drafts, prompt_rows, pool_rows)
 
 
 def sampling_inputs(
@@ -286,4 +295,38 @@ def sampling_inputs(
             counts[i].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
             seen[i, torch.tensor(s.token_ids + d, dtype=torch.int64)] = True
         m.output_counts, m.seen_mask = counts.to(device), seen.to(device)
+    if any(s.sampling_params.banned_or_biased(len(s.token_ids) - s.num_prompt_tokens) for s in states):
+        m.logit_bias = logit_bias(rows, vocab_size).to(device)
     return m
+
+
+def banned_tokens(s: CachedRequestState, output: list[int]) -> set[int]:
+    """What `s` may not sample after `output`: its stop tokens before min_tokens, and the last token of
+    each bad word whose other tokens end the output."""
+    p = s.sampling_params
+    banned = {ids[-1] for ids in p.bad_words_token_ids if ids[:-1] == output[len(output) + 1 - len(ids) :]}
+    if len(output) < p.min_tokens:
+        banned.update(p.stop_token_ids)
+        if s.eos_token_id is not None and not p.ignore_eos:
+            banned.add(s.eos_token_id)
+    return banned
+
+
+def logit_bias(rows: list[tuple[CachedRequestState, list[int]]], vocab_size: int) -> Tensor:
+    """[rows, V] float32 added to the logits: each request's logit_bias, and -inf on the tokens it may not
+    sample (outside allowed_token_ids, or banned after its output so far)."""
+    bias = torch.zeros(len(rows), vocab_size)
+    for i, (s, d) in enumerate(rows):
+        p = s.sampling_params
+        if p.allowed_token_ids:
+            allowed = torch.tensor(p.allowed_token_ids, dtype=torch.int64)
+            bias[i] = float("-inf")
+            bias[i, allowed] = 0.0
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64)
+            bias[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=torch.float32)
+        # Stop ids past the logits (the tokenizer's, or a client's) cannot be sampled anyway.
+        banned = [t for t in banned_tokens(s, s.token_ids[s.num_prompt_tokens :] + d) if t < vocab_size]
+        if banned:
+            bias[i, torch.tensor(banned, dtype=torch.int64)] = float("-inf")
+    return bias

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from compiled import compile_policy, parallel
@@ -133,7 +134,8 @@ class ModelRunner:
         singles = [dummy(i, ctx, ctx - 1) for i in range(num_single)]
         chunks = [dummy(num_single + i, n, 0) for i, n in enumerate(chunk_lens)]
         scheduled = {s.req_id: 1 for s in singles} | {s.req_id: len(s.token_ids) for s in chunks}
-        self._run(self.batch.prepare(singles, chunks, scheduled))
+        step = self.batch.prepare(singles, chunks, scheduled)
+        self._run(step, None, self.hidden_states(step))
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.batch.update(so)
@@ -141,7 +143,8 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         singles, chunks = self.batch.split(so.num_scheduled_tokens, so.spec_tokens)
         step = self.batch.prepare(singles, chunks, so.num_scheduled_tokens, so.spec_tokens)
-        tokens, logprobs, prompt_logprobs = self._run(step, so.grammar_bitmasks)
+        hidden = self.hidden_states(step)
+        tokens, logprobs, prompt_logprobs = self._run(step, so.grammar_bitmasks, hidden)
         out_tokens: dict[str, list[int]] = {}
         out_logprobs: dict[str, list[TokenLogprobs]] = {}
         for i, s in enumerate(step.sampled):
@@ -155,7 +158,22 @@ class ModelRunner:
             sampled_token_ids=[out_tokens.get(s.req_id, []) for s in order],
             logprobs=[out_logprobs.get(s.req_id) for s in order] if out_logprobs else None,
             prompt_logprobs=prompt_logprobs,
+            pooled=self._pool(step, hidden),
         )
+
+    @staticmethod
+    def _pool(step: StepBatch, hidden: Tensor) -> dict[str, list[float]]:
+        """The embeddings of the pooling requests whose prompt this step finishes (mean pooling sums each
+        chunk's rows as it goes: a prompt may take several steps)."""
+        pooled = {}
+        for s, row, start, n in step.pool_rows:
+            p, rows = s.sampling_params.pooling, hidden[row : row + n].float()
+            if p.pooling == "mean":
+                s.pooled_sum = rows.sum(0) + (0.0 if s.pooled_sum is None else s.pooled_sum)
+            if start + n == len(s.token_ids):
+                v = s.pooled_sum / len(s.token_ids) if p.pooling == "mean" else rows[-1]
+                pooled[s.req_id] = (F.normalize(v, dim=0) if p.normalize else v).tolist()
+        return pooled
 
     def hidden_states(self, step: StepBatch) -> Tensor:
         """The model's last hidden state for every token of a prepared step, as production computes it."""
@@ -163,12 +181,11 @@ class ModelRunner:
         return self.policy.forward(step.token_ids, step.positions, step.meta, plan)
 
     def _run(
-        self, step: StepBatch, grammar_bitmasks: dict[str, np.ndarray] | None = None
+        self, step: StepBatch, grammar_bitmasks: dict[str, np.ndarray] | None, hidden: Tensor
     ) -> tuple[list[list[int]], list[list[TokenLogprobs]] | None, dict]:
-        """Forward one packed step and sample its sampled rows (within their grammars, where they have one),
-        verifying drafts: each sampled request's tokens and their logprobs, and the prompt logprobs of the
-        rows that score prompt tokens."""
-        hidden = self.hidden_states(step)
+        """Sample a step's sampled rows from its `hidden` states (within their grammars, where they have
+        one), verifying drafts: each sampled request's tokens and their logprobs, and the prompt logprobs of
+        the rows that score prompt tokens."""
         prompt_logprobs = {
             s.req_id: (start + 1, self._prompt_logprobs(s, hidden[row : row + k], start))
             for s, row, start, k in step.prompt_rows

@@ -56,6 +56,7 @@ class SamplingMetadata:
     seen_mask: Tensor | None = None  # token occurs in the prompt or the output
     max_num_logprobs: int | None = None  # largest top-N any row asked for
     token_bitmask: Tensor | None = None  # [S, ceil(V / 32)] int32: bit t of row i set iff row i may pick t
+    logit_bias: Tensor | None = None  # [S, V] added first: requested biases, -inf on banned tokens
 
 
 @dataclass
@@ -122,6 +123,8 @@ def sample(logits: Tensor, m: SamplingMetadata) -> SamplerOutput:
     out = SamplerOutput(token_ids=torch.empty(0))
     if m.max_num_logprobs is not None:
         raw = logits.log_softmax(-1)
+    if m.logit_bias is not None:
+        logits = logits + m.logit_bias
     if m.token_bitmask is not None:
         # Less 1e30 rather than -inf: exp gives 0 all the same, and a subtraction vectorises where CPU
         # masked_fill does not.

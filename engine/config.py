@@ -12,6 +12,8 @@ from typing import Annotated, get_type_hints
 
 import msgspec
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 
 def _help(text: str) -> msgspec.Meta:
     return msgspec.Meta(description=text)
@@ -97,6 +99,17 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             "off on CPU, where the scheduler would take cores from the model)"
         ),
     ] = None
+    scheduling_policy: Annotated[
+        str,
+        _help(
+            "fcfs (first come, first served) or priority (by each request's priority, lower first, then "
+            "arrival; under memory pressure the lowest-priority running request is preempted)"
+        ),
+    ] = "fcfs"
+    pooling: Annotated[
+        str,
+        _help("how embeddings (LLM.embed, /v1/embeddings) pool the final hidden states: last or mean"),
+    ] = "last"
     usage: str = "offline"  # offline (LLM) | serving (AsyncLLM, kiln serve): which defaults apply
     enable_prefix_caching: Annotated[bool, _help("reuse the KV of shared prompt prefixes")] = True
     enable_chunked_prefill: Annotated[bool, _help("split long prompts over several steps")] = True
@@ -179,6 +192,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             ok, "data_parallel_size", "must be 1 with engine_core_addresses (each address is one engine core)"
         )
         check(self.usage in ("offline", "serving"), "usage", "must be offline or serving")
+        check(self.pooling in ("last", "mean"), "pooling", "must be last or mean")
+        check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy", "must be fcfs or priority")
         check(budget is None or budget >= 1, "max_num_batched_tokens", "must be at least 1")
         check(self.step_stretch == 0 or self.step_stretch >= 1, "step_stretch", "must be 0 or at least 1")
         check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be at least 2")
@@ -244,6 +259,7 @@ class SchedulerConfig:
     max_num_batched_tokens_decoding: int = 0
     settling_tokens: int = 0  # streams cap steps from this many tokens on: a burst prefills in full steps
     async_scheduling: bool = False  # schedule the next step while the current one runs
+    scheduling_policy: str = "fcfs"  # or "priority": by each request's priority, then arrival
 
     def __post_init__(self) -> None:
         lows = dict(max_model_len=2, num_blocks=2, max_num_seqs=1, max_num_batched_tokens=1, block_size=1)
@@ -251,6 +267,8 @@ class SchedulerConfig:
         for name, low in {**lows, **dict.fromkeys(counts, 0)}.items():
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
 
 
 def cli_fields() -> dict[str, tuple[type, object, str]]:

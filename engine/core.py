@@ -82,6 +82,7 @@ class EngineCore:
                 max_num_batched_tokens_decoding=c.max_num_batched_tokens_decoding,
                 settling_tokens=SETTLING_TOKENS,
                 async_scheduling=c.async_scheduling,
+                scheduling_policy=c.scheduling_policy,
             ),
             structured=self.structured,
             proposer=make_proposer(c.speculative_config),

@@ -21,7 +21,7 @@ from engine.model_files import (
     locate_model,
 )
 from engine.output_processor import OutputProcessor
-from engine.params import SamplingParams
+from engine.params import PoolingParams, SamplingParams
 
 
 class FrontEnd:
@@ -51,7 +51,9 @@ class FrontEnd:
         self.config = ready.config
         self.max_model_len = ready.max_model_len
         eos_ids = eos_token_ids(self.model_dir, self.tokenizer)
-        self.processor = InputProcessor(self.tokenizer, ready.max_model_len, eos_ids, ready.vocab_size)
+        self.processor = InputProcessor(
+            self.tokenizer, ready.max_model_len, eos_ids, ready.vocab_size, self.config.scheduling_policy
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.chat_prompt = self.processor.chat_prompt  # conversation -> prompt token ids
         self._ids = itertools.count()
@@ -67,6 +69,11 @@ class FrontEnd:
         share cached prefixes only with requests of the same `cache_salt`."""
         request_id = request_id or f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         return self.processor.process(request_id, prompt, params, time.time(), cache_salt)
+
+    def embedding_params(self, normalize: bool = True) -> SamplingParams:
+        """An embedding request's params: its prompt computed and pooled as configured, nothing sampled."""
+        pooling = PoolingParams(pooling=self.config.pooling, normalize=normalize)
+        return SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
 
     @staticmethod
     def merge_stats(per_core: dict[int, dict]) -> dict:

@@ -35,9 +35,15 @@ class InputProcessor:
     """Tokenize, apply the chat template and validate against the model's limits."""
 
     def __init__(
-        self, tokenizer, max_model_len: int, eos_token_ids: list[int], model_vocab_size: int
+        self,
+        tokenizer,
+        max_model_len: int,
+        eos_token_ids: list[int],
+        model_vocab_size: int,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         self.tokenizer = tokenizer
+        self.scheduling_policy = scheduling_policy
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
         self.extra_stop_ids = eos_token_ids[1:]  # e.g. Llama 3's <|eot_id|> besides <|end_of_text|>
@@ -79,6 +85,13 @@ class InputProcessor:
                 f"prompt has {n} tokens; the model's context is {limit} tokens, leaving none to generate",
                 "prompt",
             )
+        if params.priority and self.scheduling_policy != "priority":
+            # Refused rather than ignored, in vLLM's words, which clients match to retry without it.
+            raise InvalidRequestError(
+                f"Got priority {params.priority} but Priority scheduling is not enabled "
+                "(the engine runs with --scheduling-policy fcfs)",
+                "priority",
+            )
         for field in ("min_tokens", "max_tokens"):
             value = getattr(params, field)
             if value is not None and value > room:
@@ -92,7 +105,26 @@ class InputProcessor:
                 structured_output.check(params.structured_outputs)
             except ValueError as e:
                 raise InvalidRequestError(str(e), "structured_outputs") from None
-        return msgspec.structs.replace(params, max_tokens=room) if params.max_tokens is None else params
+        for field, ids in (
+            ("logit_bias", params.logit_bias),
+            ("allowed_token_ids", params.allowed_token_ids),
+        ):
+            if any(not 0 <= t < self.vocab_size for t in ids or ()):
+                raise InvalidRequestError(f"{field} token ids must be in [0, {self.vocab_size})", field)
+        if params.max_tokens is None:
+            params = msgspec.structs.replace(params, max_tokens=room)
+        if params.bad_words:
+            params = msgspec.structs.replace(params, bad_words_token_ids=self.bad_words_token_ids(params))
+        return params
+
+    def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Each bad word's tokens at the start of a text and after a space, where tokenizers differ."""
+        variants = {
+            tuple(self.tokenizer.encode(prefix + word.strip(), add_special_tokens=False))
+            for word in params.bad_words
+            for prefix in ("", " ")
+        }
+        return sorted(list(ids) for ids in variants if ids and max(ids) < self.vocab_size)
 
     def process(
         self,

@@ -67,8 +67,8 @@ class KVCacheManager:
         """The longest cached run of full blocks from the start of ``request.all_token_ids``, never the
         whole sequence: computing its last token is what yields the next token's logits. Every call
         counts in the prefix-cache counters, so a request retried while memory is short counts again."""
-        # A request asking for prompt logprobs computes every position: a hit would skip some.
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        # Prompt logprobs and mean pooling need every position computed: a hit would skip some.
+        if not self.enable_caching or request.sampling_params.every_position:
             return [], 0
         self.update_block_hashes(request)
         pool = self.block_pool

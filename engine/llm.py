@@ -9,11 +9,12 @@ from engine.core_client import SyncCoreClient
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.front_end import FrontEnd
 from engine.input_processor import Conversation, Prompt
-from engine.outputs import RequestOutput
+from engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from engine.params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
+    "EmbeddingRequestOutput",
     "EngineDeadError",
     "InvalidRequestError",
     "RequestOutput",
@@ -40,11 +41,17 @@ class LLM(FrontEnd):
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt (strings or token-id lists); outputs come back in input order."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        return self._run(list(prompts), sampling_params, use_tqdm)
+        return self._run(_prompt_list(prompts), sampling_params, use_tqdm)
+
+    def embed(
+        self, prompts: Prompt | Sequence[Prompt], normalize: bool = True, use_tqdm: bool = True
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (its final hidden states pooled as `--pooling` says), in input order."""
+        outs = self._run(_prompt_list(prompts), self.embedding_params(normalize), use_tqdm)
+        return [
+            EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding))
+            for o in outs
+        ]
 
     def chat(
         self,
@@ -115,3 +122,10 @@ class LLM(FrontEnd):
     def reset_prefix_cache(self) -> bool:
         self.client.coordinator.reset_prefixes()
         return all(self.client.call_utility("reset_prefix_cache").values())
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (a string or token ids) or several, as a list of prompts."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)

@@ -69,6 +69,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     scheduled_time: float | None = None  # first time the request was scheduled (with its first output)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first output, when asked for
     spec_decoding: tuple[int, int] | None = None  # drafted and accepted tokens, with the last output
+    pooled: list[float] | None = None  # a pooling request's embedding, its one output
 
     @property
     def finished(self) -> bool:

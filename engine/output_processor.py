@@ -34,6 +34,7 @@ class _RequestState:
         self.metrics = RequestMetrics(arrival_time)
         self.num_cached_tokens = 0
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+        self.embedding: list[float] | None = None
         # The core id of the sample that computes the prompt logprobs, until it first reports: the others'
         # outputs are held till then, so that every sample's first output comes with the prompt's logprobs.
         self.awaited: str | None = None
@@ -56,6 +57,7 @@ class _RequestState:
             self.metrics,
             self.num_cached_tokens,
             self.prompt_logprobs,
+            self.embedding,
         )
 
 
@@ -105,6 +107,8 @@ class OutputProcessor:
                 state.num_cached_tokens = o.num_cached_tokens
             if o.prompt_logprobs is not None:
                 state.prompt_logprobs = o.prompt_logprobs
+            if o.pooled is not None:
+                state.embedding, state.num_cached_tokens = o.pooled, o.num_cached_tokens
             if o.spec_decoding is not None:
                 m.num_draft_tokens += o.spec_decoding[0]
                 m.num_accepted_tokens += o.spec_decoding[1]

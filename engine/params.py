@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 
 _INT32 = 2**31
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 # Temperatures below this sample greedily: dividing logits by less overflows to inf/NaN.
 _SAMPLING_EPS = 1e-5
 
@@ -40,6 +41,19 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         return self._given()[0]
 
 
+class PoolingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Embed the prompt instead of generating: its final hidden states (after the last norm) pooled over
+    the last token (a causal model's summary of the whole prompt) or the mean of every token, then
+    L2-normalised unless `normalize` is off."""
+
+    pooling: str = "last"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.pooling not in ("last", "mean"):
+            raise ValueError(f"pooling must be 'last' or 'mean' (got {self.pooling!r})")
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """How to pick tokens and when to stop. Field names and defaults follow vLLM's.
 
@@ -67,6 +81,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    priority: int = 0  # scheduling_policy "priority": lower values are scheduled first
+    # Added to the logits before any other transform: token id -> bias in [-100, 100] (OpenAI's range).
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # every other token is banned
+    # Banned continuations: a word's last token is banned after the output ends with its other tokens.
+    bad_words: list[str] = []
+    # `bad_words` as token ids (with and without a leading space), filled in where the text is tokenized.
+    bad_words_token_ids: list[list[int]] = []
+    # Set: the request computes its prompt and returns its embedding (one step's work, no token sampled).
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,10 +120,33 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 "must be in [0, 20]",
             ),
             (self.seed is None or -(2**63) <= self.seed < 2**63, "seed", "must fit in 64 bits"),
+            (-(2**63) <= self.priority < 2**63, "priority", "must fit in 64 bits"),
             (self.top_k < _INT32, "top_k", f"must be below {_INT32}"),
             (self.min_tokens < _INT32, "min_tokens", f"must be below {_INT32}"),
             (self.max_tokens is None or self.max_tokens < _INT32, "max_tokens", f"must be below {_INT32}"),
             (all(s for s in self.stop), "stop", "must not contain empty strings"),
+            (
+                len(self.logit_bias or ()) <= MAX_LOGIT_BIAS,
+                "logit_bias",
+                f"may hold {MAX_LOGIT_BIAS} entries",
+            ),
+            (
+                all(-100.0 <= b <= 100.0 and 0 <= t < _INT32 for t, b in (self.logit_bias or {}).items()),
+                "logit_bias",
+                "must map token ids to biases in [-100, 100]",
+            ),
+            (self.allowed_token_ids != [], "allowed_token_ids", "must not be empty"),
+            (
+                all(0 <= t < _INT32 for t in self.allowed_token_ids or ()),
+                "allowed_token_ids",
+                f"must be in [0, {_INT32})",
+            ),
+            (all(w.strip() for w in self.bad_words), "bad_words", "must not contain blank strings"),
+            (
+                self.pooling is None or (self.n, self.max_tokens) == (1, 1),
+                "pooling",
+                "needs n = 1 and max_tokens = 1",
+            ),
             (
                 all(0 <= t < _INT32 for t in self.stop_token_ids),
                 "stop_token_ids",
@@ -117,3 +164,18 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def every_position(self) -> bool:
+        """Whether every prompt position must be computed (no prefix-cache hit may skip one)."""
+        mean = self.pooling is not None and self.pooling.pooling == "mean"
+        return self.prompt_logprobs is not None or mean
+
+    def banned_or_biased(self, num_output_tokens: int) -> bool:
+        """Whether the sampler must add a bias row for this request at this output length."""
+        return bool(
+            self.logit_bias
+            or self.allowed_token_ids
+            or self.bad_words_token_ids
+            or num_output_tokens < self.min_tokens
+        )

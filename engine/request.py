@@ -54,6 +54,7 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = sampling_params.priority  # scheduling_policy "priority": lower goes first
         self.cache_salt = cache_salt
         self.grammar = grammar  # the structured-output matcher, when the request has a constraint
         self.output_token_ids: list[int] = []

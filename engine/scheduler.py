@@ -1,8 +1,9 @@
 """Continuous batching in the vLLM V1 style: no prefill or decode phases, one token budget per step.
 
 Each ``schedule()`` spends ``max_num_batched_tokens`` over at most ``max_num_seqs`` requests:
-running ones first in admission order (decodes and unfinished prefill chunks alike), then waiting
-ones first come, first served. A request is just ``num_computed_tokens`` chasing ``num_tokens``.
+running ones first (decodes and unfinished prefill chunks alike), then waiting ones, both in the
+scheduling policy's order (engine/request_queue.py): fcfs, or by priority then arrival.
+A request is just ``num_computed_tokens`` chasing ``num_tokens``.
 
 ``num_computed_tokens`` advances in ``schedule()`` (as in vLLM): the runner receives the value the
 step starts from, and after ``schedule()`` it already counts the step's tokens. So a request is
@@ -13,8 +14,9 @@ With ``async_scheduling``, step N+1 is scheduled before step N's tokens are back
 output placeholder, whose position the next step computes all the same (the runner appends what it samples to
 its own tokens). A request that may stop on the pending token, or whose grammar must see it, waits for it.
 
-Preemption is by recompute: the most recently admitted running request gives up its blocks,
-keeps its tokens (prompt and outputs) and goes back to the front of the waiting queue.
+Preemption is by recompute: the last running request in the policy's order (fcfs: the most recently
+admitted; priority: the lowest priority) gives up its blocks, keeps its tokens (prompt and outputs) and
+goes back to the waiting queue, at its front (fcfs) or at its own priority and arrival.
 
 Speculative decoding: a decoding request also computes the tokens its proposer drafts (engine/proposer.py),
 within the budget; once verified, ``num_computed_tokens`` steps back over the rejected ones, whose slots
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import random
 import sys
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -35,6 +36,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.messages import EngineCoreOutput
 from engine.proposer import Proposer, SpecDecodingStats
 from engine.request import Request, RequestStatus
+from engine.request_queue import RequestQueue
 from engine.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -69,9 +71,8 @@ class Scheduler:
             config.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.requests: dict[str, Request] = {}  # every unfinished request
-        self.waiting: deque[Request] = deque()
-        self.num_stale_waiting = 0  # finished requests still in `waiting`, skipped when they reach its front
-        self.running: list[Request] = []  # admission order
+        self.waiting = RequestQueue(config.scheduling_policy)
+        self.running: list[Request] = []  # in the policy's order: the last one is preempted first
         self.finished_req_ids: set[str] = set()  # since the last schedule()
         self.num_preemptions = 0
         # A request also stops ("length") once its KV would outgrow the whole pool (its last token
@@ -109,7 +110,7 @@ class Scheduler:
             request.eos_token_id = self.eos_token_id
         request.status = RequestStatus.WAITING
         self.requests[rid] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish the live ones among ``request_ids`` with ``status``, free their blocks; returns them."""
@@ -140,15 +141,11 @@ class Scheduler:
             self.finished_req_ids.add(req.request_id)
         if len(done) > num_waiting:
             self.running = [r for r in self.running if not r.status.finished]
-        # Finished waiting requests stay queued until half the queue is stale: O(1) per abort, amortised.
-        self.num_stale_waiting += num_waiting
-        if self.num_stale_waiting > len(self.waiting) // 2:
-            self.waiting = deque(r for r in self.waiting if not r.status.finished)
-            self.num_stale_waiting = 0
+        self.waiting.note_finished(num_waiting)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) - self.num_stale_waiting
+        return len(self.waiting)
 
     def abort_requests(self, request_ids: str | Iterable[str]) -> list[EngineCoreOutput]:
         """Abort live requests (unknown or finished ids are ignored); one "abort" output per abort."""
@@ -199,7 +196,7 @@ class Scheduler:
             drafts = self._drafts(req, budget - 1) if left == 1 else []  # decoding: its next token drafted
             n += len(drafts)
             while (new_blocks := kv.allocate_slots(req, n)) is None:
-                victim = running.pop()  # most recently admitted; never one already scheduled (index < i)
+                victim = running.pop()  # last in the policy's order; never one already scheduled (index < i)
                 self._preempt(victim, out)
                 preempted = True
                 if victim is req:
@@ -218,16 +215,12 @@ class Scheduler:
         # Admitting after a preemption would only take blocks the preempted requests need back.
         waiting, skipped = self.waiting, []
         while not preempted and waiting and budget > 0 and len(running) < cfg.max_num_seqs:
-            req = waiting[0]
-            if req.status.finished:  # aborted while it waited
-                waiting.popleft()
-                self.num_stale_waiting -= 1
-                continue
+            req = waiting.peek()
             if req.grammar is not None and not req.grammar.ready:  # compiling: the others go first
-                skipped.append(waiting.popleft())
+                skipped.append(waiting.pop())
                 continue
             if req.grammar is not None and req.grammar.error is not None:
-                self._fail(waiting.popleft(), f"structured_outputs: {req.grammar.error}")
+                self._fail(waiting.pop(), f"structured_outputs: {req.grammar.error}")
                 continue
             computed_blocks, num_hit = kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, cap)
@@ -239,8 +232,7 @@ class Scheduler:
                 n = budget
             if kv.allocate_slots(req, n, computed_blocks, num_hit) is None:
                 break
-            waiting.popleft()
-            running.append(req)
+            waiting.pop_into(running)
             req.status = RequestStatus.RUNNING
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
@@ -253,13 +245,14 @@ class Scheduler:
                     kv.get_block_ids(req.request_id),
                     num_hit,
                     req.seed,
+                    req.eos_token_id,
                 )
             )
             req.num_computed_tokens = num_hit
             self._advance(req, n, out)
             budget -= n
 
-        waiting.extendleft(reversed(skipped))
+        waiting.prepend_all(skipped)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         self._grammar_bitmasks(out)
         return out
@@ -313,7 +306,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.prepend(req)
         out.finished_req_ids.add(req.request_id)  # the runner drops it; it comes back as a new request
 
     def update_from_output(
@@ -374,6 +367,13 @@ class Scheduler:
                     spec_decoding=spec,
                 )
             )
+        for rid, embedding in runner_output.pooled.items():  # a pooling request ends with its prompt
+            if (req := self.requests.get(rid)) is not None:
+                num_waiting += req.status == RequestStatus.PREEMPTED
+                req.status = RequestStatus.FINISHED_STOPPED
+                finished.append(req)
+                cached = self._cached(req, True)
+                outputs.append(EngineCoreOutput(rid, [], "stop", num_cached_tokens=cached, pooled=embedding))
         self._release(finished, num_waiting)
         return outputs
 

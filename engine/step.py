@@ -29,6 +29,7 @@ class NewRequestData:
     num_computed_tokens: int
     # Resolved sampling seed (a random one when the user gave none).
     seed: int
+    eos_token_id: int | None = None  # banned with the stop token ids until min_tokens are out
 
 
 @dataclass
@@ -79,3 +80,5 @@ class ModelRunnerOutput:
     # req_id -> (first prompt position covered, logprobs of the prompt tokens from there), for requests
     # that asked for prompt logprobs and computed prompt positions this step.
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # req_id -> embedding, for each pooling request whose prompt this step finished.
+    pooled: dict[str, list[float]] = field(default_factory=dict)

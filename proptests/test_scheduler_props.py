@@ -1,11 +1,13 @@
 """The Scheduler driven by a fake model runner, under tiny pools and budgets that force chunking,
-preemption and prefix hits, and with n-gram drafts that the fake runner accepts or rejects at random.
+preemption and prefix hits, and with n-gram drafts that the fake runner accepts or rejects at random,
+under either scheduling policy (requests of a few priorities, arriving out of order too).
 
 The fake runner keeps its own per-request state from SchedulerOutputs alone (tokens, block table,
 computed count), as the real one does, so the test also checks that the messages are sufficient:
 its view must always match the scheduler's.
 """
 
+import itertools
 import random
 from dataclasses import dataclass
 
@@ -49,6 +51,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         decoding_cap=st.sampled_from([0, 0, 1, 5]),
         settling=st.sampled_from([0, 1, 3]),
         drafts=st.sampled_from([0, 0, 1, 3]),
+        policy=st.sampled_from(["fcfs", "priority"]),
         seed=st.integers(0, 2**16),
     )
     def setup(
@@ -64,6 +67,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         decoding_cap,
         settling,
         drafts,
+        policy,
         seed,
     ):
         self.cfg = SchedulerConfig(
@@ -77,6 +81,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             long_prefill_token_threshold=threshold,
             max_num_batched_tokens_decoding=decoding_cap,
             settling_tokens=settling,
+            scheduling_policy=policy,
         )
         spec = drafts and SpeculativeConfig(
             num_speculative_tokens=drafts, prompt_lookup_min=1, prompt_lookup_max=2
@@ -87,6 +92,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.finished: dict[str, str] = {}  # request id -> finish reason
         self.emitted: dict[str, list[int]] = {}  # request id -> tokens streamed in outputs
         self.next_id = 0
+        self.admitted: dict[str, int] = {}  # request id -> its latest admission's number
+        self.admissions = itertools.count()
 
     # ---- the fake runner and one engine step ---------------------------------------------------
 
@@ -94,6 +101,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         cfg, sched = self.cfg, self.sched
         out = sched.schedule()
         sched_tokens = out.num_scheduled_tokens
+        # A step that preempts admits no one: every request running now was running when the victims went.
+        for victim in [sched.requests[rid] for rid in out.finished_req_ids if rid in sched.requests]:
+            assert victim.status == RequestStatus.PREEMPTED
+            assert all(self.preemption_rank(r) < self.preemption_rank(victim) for r in sched.running)
+            event(f"preempted ({self.cfg.scheduling_policy})")
         assert out.total_num_scheduled_tokens == sum(sched_tokens.values()) <= cfg.max_num_batched_tokens
         assert len(sched_tokens) <= cfg.max_num_seqs
         assert all(n > 0 for n in sched_tokens.values())
@@ -105,6 +117,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert new.seed == req.seed and new.num_prompt_tokens == req.num_prompt_tokens
             if new.num_computed_tokens:
                 event("prefix-cache hit")
+            self.admitted[new.req_id] = next(self.admissions)
             self.runner[new.req_id] = RunnerState(
                 list(new.token_ids), list(new.block_ids), new.num_computed_tokens
             )
@@ -185,8 +198,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         min_tokens=st.integers(0, 3),
         stop=st.booleans(),
         ignore_eos=st.booleans(),
+        priority=st.integers(-1, 2),
+        arrival=st.integers(0, 3),
     )
-    def add(self, prompt, max_tokens, min_tokens, stop, ignore_eos) -> None:
+    def add(self, prompt, max_tokens, min_tokens, stop, ignore_eos, priority, arrival) -> None:
         if max_tokens is not None:
             min_tokens = min(min_tokens, max_tokens)
         params = SamplingParams(
@@ -194,10 +209,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             min_tokens=min_tokens,
             stop_token_ids=STOP_IDS if stop else [],
             ignore_eos=ignore_eos,
+            priority=priority,
         )
         rid = f"r{self.next_id}"
         self.next_id += 1
-        req = Request(rid, prompt, params)
+        req = Request(rid, prompt, params, arrival_time=float(arrival))  # front ends' clocks disagree
         cfg, n = self.cfg, len(prompt)
         fits = n < cfg.max_model_len and n <= (cfg.num_blocks - 1) * cfg.block_size
         fits &= cfg.enable_chunked_prefill or n <= cfg.max_num_batched_tokens
@@ -210,11 +226,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert fits
         self.requests_by_id[rid] = req
 
-    @rule(prompt=prompts, copies=st.integers(2, 4), max_tokens=st.integers(1, 12))
-    def burst(self, prompt, copies, max_tokens) -> None:
+    @rule(
+        prompt=prompts,
+        copies=st.integers(2, 4),
+        max_tokens=st.integers(1, 12),
+        priority=st.integers(-1, 2),
+        arrival=st.integers(0, 3),
+    )
+    def burst(self, prompt, copies, max_tokens, priority, arrival) -> None:
         """Several requests sharing a prompt: prefix hits and memory pressure."""
         for _ in range(copies):
-            self.add(prompt, max_tokens, 0, False, True)
+            self.add(prompt, max_tokens, 0, False, True, priority, arrival)
 
     @rule()
     def one_step(self) -> None:
@@ -241,6 +263,21 @@ class SchedulerMachine(RuleBasedStateMachine):
     def reset_prefix_cache(self) -> None:
         assert self.sched.reset_prefix_cache() == (not self.sched.running)
 
+    def preemption_rank(self, req: Request) -> tuple:
+        """The running request of the highest rank is preempted first: under fcfs the latest admitted,
+        under priority the lowest priority, then the latest arrival, then the latest admitted."""
+        admitted = self.admitted[req.request_id]
+        if self.cfg.scheduling_policy == "priority":
+            return req.priority, req.arrival_time, admitted
+        return (admitted,)
+
+    def queue_rank(self, req: Request) -> tuple:
+        """The waiting queue's order: by priority and arrival under priority; then, among equals,
+        preempted requests ahead of those never admitted, which keep the order they were added in."""
+        fresh = req.status == RequestStatus.WAITING
+        by_policy = (req.priority, req.arrival_time) if self.cfg.scheduling_policy == "priority" else ()
+        return (*by_policy, fresh, int(req.request_id[1:]) if fresh else 0)
+
     # ---- invariants ----------------------------------------------------------------------------
 
     @invariant()
@@ -251,6 +288,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         pool = kv.block_pool
         running, waiting = sched.running, [r for r in sched.waiting if not r.status.finished]
         assert len(waiting) == sched.num_waiting
+        ranks = [self.queue_rank(r) for r in waiting]
+        assert ranks == sorted(ranks)
         assert len(running) <= self.cfg.max_num_seqs
         assert {r.request_id for r in running + waiting} == set(sched.requests)
         assert len(running) + len(waiting) == len(sched.requests)

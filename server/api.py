@@ -44,6 +44,8 @@ from server.protocol import (
 from server.serving import DEFAULT_MAX_BODY_BYTES, SHUTTING_DOWN, Disconnected, Serving
 from server.serving_chat import ChatServing
 from server.serving_completion import CompletionServing
+from server.serving_embedding import EmbeddingServing
+from server.serving_responses import ResponsesServing
 from server.transport import uvicorn_config
 
 logger = logging.getLogger("kiln.server")
@@ -232,11 +234,13 @@ def build_app(
     tool_call_parser: str | None = None,
 ) -> Starlette:
     """The HTTP app over an AsyncLLM (or anything with its attributes: tokenizer, processor, max_model_len,
-    model_name, dead, dead_cores, generate, chat_prompt, get_stats, check_capacity)."""
+    model_name, dead, dead_cores, generate, chat_prompt, get_stats, check_capacity, embedding_params)."""
     serving = Serving(
         llm, max_body_bytes, trust_request_chat_template, sanitize_special_tokens, tool_call_parser
     )
     misc, completion, chat = Routes(serving), CompletionServing(serving), ChatServing(serving)
+    responses = ResponsesServing(chat)
+    embeddings = EmbeddingServing(serving)
     routes = [
         Route("/health", _route(misc.health), methods=["GET"]),
         Route("/version", _route(misc.version), methods=["GET"]),
@@ -244,6 +248,8 @@ def build_app(
         Route("/v1/models", _route(misc.models), methods=["GET"]),
         Route("/v1/completions", _route(completion.create), methods=["POST"]),
         Route("/v1/chat/completions", _route(chat.create), methods=["POST"]),
+        Route("/v1/responses", _route(responses.create), methods=["POST"]),
+        Route("/v1/embeddings", _route(embeddings.create), methods=["POST"]),
         Route("/tokenize", _route(misc.tokenize), methods=["POST"]),
         Route("/detokenize", _route(misc.detokenize), methods=["POST"]),
         Route("/tokenizer_info", _route(misc.tokenizer_info), methods=["GET"]),

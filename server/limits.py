@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from engine import structured_output
 from engine.errors import EngineOverloadedError
-from engine.params import SamplingParams, StructuredOutputsParams
+from engine.params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutputsParams
 from server.errors import APIError, as_api_error, bad_param, short
 from server.protocol import _SamplingRequest
 
@@ -80,6 +80,18 @@ def structured_outputs(b: _SamplingRequest) -> StructuredOutputsParams | None:
     return StructuredOutputsParams(json=rf.json_schema.schema)
 
 
+def token_biases(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as JSON object keys, so strings) keyed by int."""
+    if logit_bias is None:
+        return None
+    if len(logit_bias) > MAX_LOGIT_BIAS:
+        raise APIError(400, f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries", "logit_bias")
+    try:
+        return {int(t): float(b) for t, b in logit_bias.items()}
+    except ValueError:
+        raise APIError(400, "logit_bias keys must be token ids", "logit_bias") from None
+
+
 def structured_param(b: _SamplingRequest) -> str:
     """The body field a constraint came from, for the error that refuses it."""
     rf = b.response_format
@@ -128,6 +140,8 @@ class RequestLimits:
             raise APIError(400, f"min_tokens must be non-negative (got {b.min_tokens})", "min_tokens")
         if not (b.seed is None or _INT64_MIN <= b.seed <= _INT64_MAX - MAX_N):
             raise APIError(400, "seed must be a signed 64-bit integer", "seed")
+        if not (b.priority is None or _INT64_MIN <= b.priority <= _INT64_MAX):
+            raise APIError(400, "priority must be a signed 64-bit integer", "priority")
         if len(stop) > MAX_STOP:
             raise APIError(400, f"at most {MAX_STOP} stop strings are allowed", "stop")
         if not all(len(s) <= MAX_STOP_CHARS for s in stop):
@@ -136,6 +150,19 @@ class RequestLimits:
             raise APIError(400, f"at most {MAX_STOP} stop token ids are allowed", "stop_token_ids")
         if not all(0 <= t <= _INT32_MAX for t in stop_ids):
             raise APIError(400, "stop_token_ids must be token ids", "stop_token_ids")
+        if not (b.prompt_logprobs is None or 0 <= b.prompt_logprobs <= MAX_LOGPROBS):
+            raise APIError(
+                400,
+                f"prompt_logprobs must be between 0 and {MAX_LOGPROBS} (got {b.prompt_logprobs})",
+                "prompt_logprobs",
+            )
+        if b.prompt_logprobs is not None and b.stream:
+            raise APIError(400, "prompt_logprobs are not available when stream is true", "prompt_logprobs")
+        bad_words = list(b.bad_words or [])
+        if len(bad_words) > MAX_STOP or not all(len(w) <= MAX_STOP_CHARS for w in bad_words):
+            raise APIError(
+                400, f"at most {MAX_STOP} bad words of at most {MAX_STOP_CHARS} characters", "bad_words"
+            )
         structured = structured_outputs(b)
         try:
             return SamplingParams(
@@ -145,6 +172,7 @@ class RequestLimits:
                 stop=stop,
                 stop_token_ids=stop_ids,
                 seed=b.seed,
+                priority=b.priority or 0,
                 temperature=1.0 if b.temperature is None else b.temperature,
                 top_p=1.0 if b.top_p is None else b.top_p,
                 top_k=b.top_k or 0,
@@ -157,6 +185,10 @@ class RequestLimits:
                 include_stop_str_in_output=bool(b.include_stop_str_in_output),
                 skip_special_tokens=True if b.skip_special_tokens is None else b.skip_special_tokens,
                 structured_outputs=structured,
+                logit_bias=token_biases(b.logit_bias),
+                allowed_token_ids=b.allowed_token_ids,
+                bad_words=bad_words,
+                prompt_logprobs=b.prompt_logprobs,
             )
         except ValueError as e:
             raise bad_param(e) from None

@@ -6,7 +6,7 @@ import functools
 import re
 
 from engine.messages import TokenLogprobs
-from server.protocol import ChatLogprobs, ChatLogprobToken, CompletionLogprobs, TopLogprob
+from server.protocol import ChatLogprobs, ChatLogprobToken, CompletionLogprobs, PromptLogprob, TopLogprob
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
@@ -87,6 +87,26 @@ class TokenStrings:
             for tid, (lp, top) in zip(token_ids, logprobs)
         ]
         return ChatLogprobs(content=content)
+
+    def prompt_logprobs(
+        self, token_ids: list[int], logprobs: list[TokenLogprobs | None], n: int
+    ) -> list[dict[str, PromptLogprob] | None]:
+        """vLLM's `prompt_logprobs`: per prompt token (None for the first), its own entry then the top-N
+        keyed by token id; a rank is known for the top-N, and for the prompt token where it is among them."""
+        out: list[dict[str, PromptLogprob] | None] = []
+        for tid, entry in zip(token_ids, logprobs):
+            if entry is None:
+                out.append(None)
+                continue
+            top = {
+                t: PromptLogprob(logprob=_clamp(v), rank=k + 1, decoded_token=self.text(t))
+                for k, (t, v) in enumerate(entry[1][:n])
+            }
+            own = top.get(tid) or PromptLogprob(
+                logprob=_clamp(entry[0]), rank=None, decoded_token=self.text(tid)
+            )
+            out.append({str(tid): own, **{str(t): lp for t, lp in top.items() if t != tid}})
+        return out
 
 
 def _clamp(logprob: float) -> float:

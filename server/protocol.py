@@ -44,7 +44,11 @@ class _SamplingRequest(msgspec.Struct, kw_only=True):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias in [-100, 100]
     # vLLM extras
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None  # each prompt token's logprob and the top-N, in the whole reply
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -56,6 +60,7 @@ class _SamplingRequest(msgspec.Struct, kw_only=True):
     return_token_ids: bool | None = False  # vLLM's: prompt_token_ids and token_ids in each choice
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None  # vLLM's: json, regex, choice, grammar
+    priority: int | None = 0  # vLLM's: lower is served first, under --scheduling-policy priority only
 
 
 class CompletionRequest(_SamplingRequest, kw_only=True):
@@ -126,6 +131,17 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     parallel_tool_calls: bool | None = True
 
 
+class EmbeddingRequest(msgspec.Struct, kw_only=True):
+    input: Any  # str | list[str] | list[int] | list[list[int]], checked by hand as a completion's prompt
+    model: str | None = None
+    encoding_format: str | None = "float"  # or "base64": the vector's little-endian float32 bytes
+    dimensions: int | None = None  # refused: the model's embeddings have one size
+    user: str | None = None
+    # vLLM extras
+    normalize: bool | None = True
+    cache_salt: str | None = None
+
+
 class TokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     prompt: str | None = None
@@ -174,6 +190,15 @@ class _Response(msgspec.Struct, kw_only=True):  # what every completion body and
     model: str
 
 
+class PromptLogprob(msgspec.Struct, kw_only=True):
+    logprob: float
+    rank: int | None  # 1 for the likeliest token; null where not computed
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(msgspec.Struct, kw_only=True):
     index: int
     text: str
@@ -183,6 +208,7 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     # UNSET fields are left out of the JSON: present only when the request asked for return_token_ids.
     prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
     token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET
 
 
 class CompletionResponse(_Response, kw_only=True, omit_defaults=True):
@@ -225,6 +251,7 @@ class ChatChoice(msgspec.Struct, kw_only=True):
 class ChatCompletionResponse(_Response, kw_only=True):
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET
 
 
 class DeltaFunctionCall(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -258,6 +285,22 @@ class ChatChunkChoice(msgspec.Struct, kw_only=True):
 class ChatCompletionChunk(_Response, kw_only=True, omit_defaults=True):
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+
+
+class EmbeddingData(msgspec.Struct, kw_only=True):
+    index: int
+    embedding: list[float] | str
+    object: str = "embedding"
+
+
+class EmbeddingUsage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(_Response, kw_only=True):
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
 
 
 class ModelCard(msgspec.Struct, kw_only=True):

@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import functools
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NamedTuple
@@ -39,6 +40,14 @@ SHUTTING_DOWN = "the server is shutting down"
 
 
 _decoder = functools.cache(msgspec.json.Decoder)  # one per body type
+_top_keys = msgspec.json.Decoder(dict[str, msgspec.Raw])  # a body's field names, values left unparsed
+MAX_WARNED_FIELDS = 256  # unknown field names remembered, so that a client cannot grow the set forever
+logger = logging.getLogger("kiln.server")
+
+
+@functools.cache
+def _field_names(cls: type) -> frozenset[str]:
+    return frozenset(f.encode_name for f in msgspec.structs.fields(cls))
 
 
 class Disconnected(Exception):
@@ -148,6 +157,7 @@ class Serving:
         self.metrics = ServerMetrics(self.model_name)
         self.tokens = TokenStrings(llm.tokenizer)
         self.created = int(time.time())
+        self.warned_fields: set[str] = set()
 
     async def read(self, request: Request, cls: type) -> Any:
         """The body decoded as `cls`, whose `model`, if given, must be the one this server serves."""
@@ -177,13 +187,15 @@ class Serving:
         if too_large:
             raise self._too_large()
         try:
-            body = _decoder(cls).decode(b"".join(chunks))
+            raw = b"".join(chunks)
+            body = _decoder(cls).decode(raw)
         except msgspec.ValidationError as e:
             raise validation_error(e) from None
         except msgspec.DecodeError as e:
             raise APIError(400, f"request body is not valid JSON: {e}") from None
         except RecursionError:
             raise APIError(400, "request body is not valid JSON: nested too deeply") from None
+        self.warn_unknown_fields(_top_keys.decode(raw).keys() - _field_names(cls))
         if body.model is not None and body.model != self.model_name:
             raise APIError(
                 404,
@@ -192,6 +204,13 @@ class Serving:
                 code="model_not_found",
             )
         return body
+
+    def warn_unknown_fields(self, names: set[str]) -> None:
+        """Ignored, as OpenAI's API does, but logged once per name: a client's misspelt field is visible."""
+        new = names - self.warned_fields
+        if new and len(self.warned_fields) < MAX_WARNED_FIELDS:
+            self.warned_fields |= new
+            logger.warning("request fields ignored (not supported): %s", ", ".join(sorted(map(short, new))))
 
     def _too_large(self) -> APIError:
         return APIError(
@@ -332,8 +351,13 @@ class Serving:
                 yield b"data: " + as_api_error(e, "while streaming a response").response().body + b"\n\n"
             yield b"data: [DONE]\n\n"
 
+        return self.event_stream(body())
+
+    @staticmethod
+    def event_stream(body: AsyncIterator[bytes]) -> Response:
+        """SSE of events `body` frames itself; `body` is closed however the response ends."""
         return _SSEResponse(
-            body(),
+            body,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )

@@ -6,12 +6,13 @@ import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engine.outputs import CompletionOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.params import SamplingParams
 from server import tools
 from server.errors import APIError, json_response
@@ -33,6 +34,19 @@ from server.serving import PromptIds, Serving
 from server.streaming import ChoiceStream, has_news, usage_options
 
 
+@dataclass
+class ChatRun:
+    """A chat request admitted to the engine: what its reply, whole or streamed, is made from."""
+
+    body: ChatCompletionRequest
+    rid: str
+    created: int
+    prompt: PromptIds
+    params: SamplingParams
+    gen: AsyncIterator[RequestOutput]
+    plan: tools.ToolPlan | None
+
+
 class ChatServing:
     def __init__(self, serving: Serving) -> None:
         self.s = serving
@@ -42,8 +56,16 @@ class ChatServing:
         self.parser = serving.tool_call_parser or tools.default_parser(template)
 
     async def create(self, request: Request) -> Response:
+        b: ChatCompletionRequest = await self.s.read(request, ChatCompletionRequest)
+        run = await self.start(b, f"chatcmpl-{uuid.uuid4().hex}")
+        if b.stream:
+            return self.s.sse(self.chunks(run, usage_options(b.stream_options)))
+        return json_response(await self.complete(request, run))
+
+    async def start(self, b: ChatCompletionRequest, rid: str) -> ChatRun:
+        """Check `b` (400s name its fields), render its prompt and admit it to the engine as `rid`: a full
+        engine is a 429 here, before any reply starts."""
         s = self.s
-        b: ChatCompletionRequest = await s.read(request, ChatCompletionRequest)
         if b.top_logprobs is not None and not b.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         if b.top_logprobs is not None and not 0 <= b.top_logprobs <= MAX_LOGPROBS:
@@ -73,15 +95,13 @@ class ChatServing:
         add_generation_prompt = b.add_generation_prompt is not False and not b.continue_final_message
         ids = await s.offload(s.chat_ids, b.messages, add_generation_prompt, kwargs or None)
         prompt = PromptIds(None, ids)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
         gen = s.generate(s.prepare(rid, prompt.ids, params, b.cache_salt))
-        created = int(time.time())
-        if b.stream:
-            usage = usage_options(b.stream_options)
-            return s.sse(
-                self.chunks(rid, created, prompt, params, gen, usage, bool(b.return_token_ids), plan)
-            )
-        (final,) = await s.until_disconnected(request, s.collect([gen]))
+        return ChatRun(b, rid, int(time.time()), prompt, params, gen, plan)
+
+    async def complete(self, request: Request, run: ChatRun) -> ChatCompletionResponse:
+        """The whole reply; its generation is cancelled (so aborted) if the client leaves first."""
+        s, b, plan, prompt, logprobs = self.s, run.body, run.plan, run.prompt, run.params.logprobs
+        (final,) = await s.until_disconnected(request, s.collect([run.gen]))
         choices = []
         for c in final.outputs:
             lps = None if logprobs is None else s.tokens.chat_logprobs(c.token_ids, c.logprobs or [])
@@ -106,34 +126,37 @@ class ChatServing:
             if b.return_token_ids:
                 choice.prompt_token_ids, choice.token_ids = prompt.ids, c.token_ids
             choices.append(choice)
-        body = ChatCompletionResponse(
-            id=rid,
+        return ChatCompletionResponse(
+            id=run.rid,
             object="chat.completion",
-            created=created,
+            created=run.created,
             model=s.model_name,
             choices=choices,
             usage=s.usage([prompt], [final]),
+            prompt_logprobs=msgspec.UNSET
+            if run.params.prompt_logprobs is None
+            else s.tokens.prompt_logprobs(
+                prompt.ids, final.prompt_logprobs or [], run.params.prompt_logprobs
+            ),
         )
-        return json_response(body)
 
     async def chunks(
         self,
-        rid: str,
-        created: int,
-        prompt: PromptIds,
-        params: SamplingParams,
-        gen,
+        run: ChatRun,
         usage: tuple[bool, bool],  # (in a last chunk, in every chunk)
-        token_ids: bool,
-        plan: tools.ToolPlan | None,
     ) -> AsyncIterator[ChatCompletionChunk]:
-        s = self.s
+        s, params, plan, prompt = self.s, run.params, run.plan, run.prompt
+        token_ids = bool(run.body.return_token_ids)
         include_usage, continuous_usage = usage
         parsing = plan is not None and plan.parser is not None
         sent: dict[int, tuple[int, int]] = {}  # choice index -> (content characters, calls) sent so far
 
         chunk = functools.partial(
-            ChatCompletionChunk, id=rid, object="chat.completion.chunk", created=created, model=s.model_name
+            ChatCompletionChunk,
+            id=run.rid,
+            object="chat.completion.chunk",
+            created=run.created,
+            model=s.model_name,
         )
 
         def choice(i: int, index: int, c: CompletionOutput) -> ChatChunkChoice | None:
@@ -175,7 +198,7 @@ class ChatServing:
         yield chunk(
             choices=[ChatChunkChoice(index=i, delta=role, prompt_token_ids=ids) for i in range(params.n)]
         )
-        stream = ChoiceStream([gen], params.n, choice)
+        stream = ChoiceStream([run.gen], params.n, choice)
         async for choices in stream:
             stats = s.usage([prompt], generated=stream.generated) if continuous_usage else None
             yield chunk(choices=choices, usage=stats)

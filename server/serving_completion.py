@@ -28,11 +28,33 @@ def _as_token_ids(value: Any) -> list[int] | None:
     return None
 
 
-def _count(prompt: Any) -> int:
+def count_prompts(prompt: Any) -> int:
     """How many prompts `prompt` holds, counted before anything is tokenized."""
     if isinstance(prompt, list) and prompt and _as_token_ids(prompt) is None:
         return len(prompt)
     return 1
+
+
+def parse_prompts(tokenize: Callable[[str], list[int]], prompt: Any, param: str) -> list[PromptIds]:
+    """str, list[str], list[int] or list[list[int]]: checked here (a msgspec union has one array type)."""
+    if isinstance(prompt, str):
+        return [PromptIds(prompt, tokenize(prompt))]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return [PromptIds(p, tokenize(p)) for p in prompt]
+        if (ids := _as_token_ids(prompt)) is not None:
+            return [PromptIds(None, ids)]
+        lists = [_as_token_ids(p) for p in prompt]
+        if all(ids is not None for ids in lists):
+            return [PromptIds(None, ids) for ids in lists]  # type: ignore[arg-type]
+    if isinstance(prompt, list) and not prompt:
+        raise APIError(400, f"{param} must not be empty", param)
+    raise APIError(
+        400,
+        f"{param} must be a string, a list of strings, a list of token ids or a list of "
+        f"token-id lists (got {type(prompt).__name__})",
+        param,
+    )
 
 
 class CompletionServing:
@@ -46,10 +68,10 @@ class CompletionServing:
         echo_only = bool(b.echo) and max_tokens == 0  # scoring a prompt (lm-eval): nothing generated
         params = s.limits.sampling_params(b, 1 if echo_only else max_tokens, b.logprobs)  # type: ignore[arg-type]
         if b.echo and b.logprobs is not None:  # the echoed prompt comes with its tokens' logprobs
-            params = msgspec.structs.replace(params, prompt_logprobs=b.logprobs)
-        s.limits.check_size(_count(b.prompt), params, bool(b.stream))
+            params = msgspec.structs.replace(params, prompt_logprobs=max(b.logprobs, b.prompt_logprobs or 0))
+        s.limits.check_size(count_prompts(b.prompt), params, bool(b.stream))
         await s.offload(s.limits.check_structured, params, structured_param(b))
-        prompts = await s.offload(self.prompts, b.prompt)
+        prompts = await s.offload(parse_prompts, s.tokenize, b.prompt, "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
         ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
         prepared = [s.prepare(r, p.ids, params, b.cache_salt) for r, p in zip(ids, prompts)]
@@ -72,7 +94,8 @@ class CompletionServing:
                 if params.logprobs is not None:
                     ids, lps = c.token_ids, c.logprobs or []
                     if final.prompt_logprobs is not None:
-                        ids, lps = p.ids + ids, final.prompt_logprobs + lps
+                        echoed = [e and (e[0], e[1][: params.logprobs]) for e in final.prompt_logprobs]
+                        ids, lps = p.ids + ids, echoed + lps
                     logprobs, _ = s.tokens.completion_logprobs(ids, lps, 0)
                 choice = CompletionChoice(
                     index=i * params.n + c.index,
@@ -83,34 +106,16 @@ class CompletionServing:
                 )
                 if b.return_token_ids:
                     choice.prompt_token_ids, choice.token_ids = p.ids, c.token_ids
+                if b.prompt_logprobs is not None:
+                    choice.prompt_logprobs = s.tokens.prompt_logprobs(
+                        p.ids, final.prompt_logprobs or [], b.prompt_logprobs
+                    )
                 choices.append(choice)
         usage = s.usage(prompts, generated=0) if echo_only else s.usage(prompts, finals)
         return json_response(body(choices=choices, usage=usage))
 
     def echo_text(self, p: PromptIds) -> str:
         return p.text if p.text is not None else self.s.llm.tokenizer.decode(p.ids)
-
-    def prompts(self, prompt: Any) -> list[PromptIds]:
-        """str, list[str], list[int] or list[list[int]]: checked here (a msgspec union has one array type)."""
-        tokenize = self.s.tokenize
-        if isinstance(prompt, str):
-            return [PromptIds(prompt, tokenize(prompt))]
-        if isinstance(prompt, list) and prompt:
-            if all(isinstance(p, str) for p in prompt):
-                return [PromptIds(p, tokenize(p)) for p in prompt]
-            if (ids := _as_token_ids(prompt)) is not None:
-                return [PromptIds(None, ids)]
-            lists = [_as_token_ids(p) for p in prompt]
-            if all(ids is not None for ids in lists):
-                return [PromptIds(None, ids) for ids in lists]  # type: ignore[arg-type]
-        if isinstance(prompt, list) and not prompt:
-            raise APIError(400, "prompt must not be empty", "prompt")
-        raise APIError(
-            400,
-            "prompt must be a string, a list of strings, a list of token ids or a list of "
-            f"token-id lists (got {type(prompt).__name__})",
-            "prompt",
-        )
 
     async def chunks(
         self,

@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from engine.config import EngineConfig, cli_fields
+from engine.config import EngineConfig, SchedulerConfig, cli_fields
 from server.cli import add_engine_args, engine_args, engine_flags
 
 
@@ -79,3 +79,14 @@ def test_a_bad_value_names_its_field():
     with pytest.raises(ValueError, match="worker_address must be tcp://HOST:PORT"):
         EngineConfig(worker_address="127.0.0.1:5555")
     assert EngineConfig(worker_address="tcp://0.0.0.0:5555").worker_address == "tcp://0.0.0.0:5555"
+
+
+def test_scheduling_policy_is_a_flag_and_only_fcfs_or_priority():
+    assert EngineConfig().scheduling_policy == "fcfs"
+    ns = parse("--scheduling-policy", "priority")
+    assert EngineConfig(**engine_args(ns)).scheduling_policy == "priority"
+    assert engine_flags(ns) == ["--scheduling-policy", "priority"]
+    with pytest.raises(ValueError, match="scheduling_policy must be fcfs or priority"):
+        EngineConfig(scheduling_policy="lifo")
+    with pytest.raises(ValueError, match="scheduling_policy must be fcfs or priority"):
+        SchedulerConfig(max_model_len=16, num_blocks=4, scheduling_policy="PRIORITY")

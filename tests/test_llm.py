@@ -137,7 +137,9 @@ def test_max_tokens_min_tokens_and_ignore_eos(llm):
         SamplingParams(temperature=0, max_tokens=7, min_tokens=3, stop_token_ids=[first]),
         use_tqdm=False,
     )[0].outputs[0]
-    assert len(held.token_ids) >= 3 and held.token_ids[:3] == out.outputs[0].token_ids[:3]
+    # Before min_tokens the stop token is masked (as vLLM does), not sampled and ignored.
+    assert len(held.token_ids) >= 3 and first not in held.token_ids[:3]
+    assert held.finish_reason == "length" or held.token_ids[-1] == first
 
 
 def test_stop_string_ends_generation_and_frees_the_sequence(llm):

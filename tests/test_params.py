@@ -20,6 +20,8 @@ from engine.params import SamplingParams
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
         ({"logprobs": 21}, "logprobs"),
         ({"stop": [""]}, "stop"),
+        ({"priority": 2**63}, "priority"),
+        ({"priority": -(2**63) - 1}, "priority"),
     ],
 )
 def test_invalid_params_name_the_field(kwargs, field):
@@ -35,7 +37,7 @@ def test_defaults_and_normalisation():
 
 
 def test_request_roundtrips_through_msgpack():
-    req = EngineCoreRequest("r1", [1, 2, 3], SamplingParams(temperature=0.5, stop=["x"]), 1.0)
+    req = EngineCoreRequest("r1", [1, 2, 3], SamplingParams(temperature=0.5, stop=["x"], priority=-3), 1.0)
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(req), type=EngineCoreRequest)
     assert back == req
     with pytest.raises(msgspec.ValidationError):

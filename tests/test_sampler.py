@@ -164,3 +164,76 @@ def test_logprobs_are_the_raw_distribution(n):
     if n:
         assert torch.allclose(out.topk_logprobs, raw.topk(n).values)
         assert math.isclose(float(out.topk_logprobs[0, 0]), float(out.logprobs[0]), rel_tol=1e-6)
+
+
+def _state(params, prompt=(1, 2, 3), output=(), eos=9):
+    from compiled.input_batch import CachedRequestState
+
+    return CachedRequestState("r", [*prompt, *output], len(prompt), params, 0, 0, 1, 0, eos)
+
+
+def test_logit_bias_and_allowed_tokens_shape_the_logits_but_not_the_logprobs():
+    from compiled.input_batch import sampling_inputs
+    from engine.params import SamplingParams
+
+    logits = torch.zeros(3, 12)
+    logits[:, 4] = 5.0  # greedy picks 4 unless a bias or a ban moves it
+    states = [
+        _state(SamplingParams(temperature=0, logit_bias={4: -100.0})),
+        _state(SamplingParams(temperature=0, logit_bias={7: 100.0}, logprobs=1)),
+        _state(SamplingParams(temperature=0, allowed_token_ids=[2, 6])),
+    ]
+    m = sampling_inputs(states, 12, torch.device("cpu"))
+    out = sample(logits, m)
+    assert out.token_ids[1] == 7 and out.token_ids[2] in (2, 6) and out.token_ids[0] != 4
+    assert torch.allclose(out.logprobs[1], logits.log_softmax(-1)[1, 7])  # the model's, unbiased
+    # Sampled rows keep to the allowed set whatever the draw.
+    params = SamplingParams(temperature=1.0, allowed_token_ids=[3, 5, 11])
+    for seed in range(30):
+        m = sampling_inputs([_state(params)], 12, torch.device("cpu"))
+        m.seeds = torch.tensor([seed])
+        assert sample(logits[:1], m).token_ids.item() in (3, 5, 11)
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached():
+    from compiled.input_batch import banned_tokens
+    from engine.params import SamplingParams
+
+    p = SamplingParams(min_tokens=3, stop_token_ids=[5])
+    assert banned_tokens(_state(p), [1, 1]) == {5, 9}
+    assert banned_tokens(_state(p), [1, 1, 1]) == set()
+    assert banned_tokens(_state(SamplingParams(min_tokens=3, ignore_eos=True)), []) == set()
+
+
+def test_bad_words_ban_a_last_token_only_after_the_rest():
+    from compiled.input_batch import banned_tokens, sampling_inputs
+    from engine.params import SamplingParams
+
+    p = SamplingParams(bad_words=["x"], bad_words_token_ids=[[4], [6, 7, 8]])
+    assert banned_tokens(_state(p), []) == {4}
+    assert banned_tokens(_state(p), [6]) == {4}
+    assert banned_tokens(_state(p), [1, 6, 7]) == {4, 8}
+    assert banned_tokens(_state(p), [6, 7, 1]) == {4}
+    # A draft's row sees the drafts before it: position 2 of drafts [6, 7] must ban 8.
+    s = _state(p, output=(1,))
+    m = sampling_inputs([s], 12, torch.device("cpu"), [[6, 7]])
+    assert m.logit_bias[:, 8].isinf().tolist() == [False, False, True]
+    assert m.logit_bias[:, 4].isinf().all()
+    # min_tokens counts the drafts before a row: the stop id is banned at output index 1 only.
+    s = _state(SamplingParams(min_tokens=2, stop_token_ids=[5]), output=(1,))
+    m = sampling_inputs([s], 12, torch.device("cpu"), [[3, 3]])
+    assert m.logit_bias[:, 5].isinf().tolist() == m.logit_bias[:, 9].isinf().tolist() == [True, False, False]
+
+
+def test_biases_compose_with_a_grammar_and_penalties():
+    from compiled.input_batch import sampling_inputs
+    from engine.params import SamplingParams
+
+    logits = torch.zeros(1, 12)
+    logits[0, 4] = 3.0
+    params = SamplingParams(temperature=0, logit_bias={4: -100.0, 7: 100.0}, presence_penalty=1.0)
+    m = sampling_inputs([_state(params, output=(3,))], 12, torch.device("cpu"))
+    allowed = (1 << 2) | (1 << 3) | (1 << 4)  # the grammar allows 2, 3, 4: the +100 on 7 cannot win
+    m.token_bitmask = torch.tensor([[allowed]], dtype=torch.int32)
+    logits[0, 3] = 0.5  # 3 beats 2 unless the penalty on the output's 3 applies after the bias
+    assert sample(logits, m).token_ids.item() == 2

@@ -5,6 +5,7 @@ import pytest
 
 from engine.params import SamplingParams
 from engine.request import Request, RequestStatus
+from engine.request_queue import RequestQueue
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step import ModelRunnerOutput, SchedulerOutput
 
@@ -388,7 +389,7 @@ def test_abort_is_idempotent_and_frees_blocks():
     s.kv_cache_manager.free(s.requests["w"])
     s.requests["w"].status = RequestStatus.WAITING
     s.requests["w"].num_computed_tokens = 0
-    s.waiting.append(s.requests["w"])
+    s.waiting.add(s.requests["w"])
     outs = s.abort_requests(["a", "w", "nope"])
     assert [(o.request_id, o.finish_reason) for o in outs] == [("a", "abort"), ("w", "abort")]
     assert s.abort_requests(["a", "w"]) == []
@@ -430,17 +431,18 @@ def test_out_is_empty_when_idle():
     assert out.is_empty and not out.new_reqs and not out.cached_reqs
 
 
-def test_aborting_a_waiting_request_leaves_the_queue_in_place_until_half_of_it_is_stale():
-    s = make(max_num_seqs=2)
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_aborting_a_waiting_request_leaves_the_queue_in_place_until_half_of_it_is_stale(policy):
+    s = make(max_num_seqs=2, scheduling_policy=policy)
     for i in range(10):
         add(s, f"r{i}", 6)
-    queue = s.waiting
     assert [o.request_id for o in s.abort_requests(["r0", "r3"])] == ["r0", "r3"]
-    assert s.waiting is queue and s.num_waiting == 8 == s.stats().num_waiting  # no pass over the queue
+    assert s.waiting.num_stale == 2 and s.num_waiting == 8 == s.stats().num_waiting  # no pass over the queue
     out, _ = step(s)
     assert sorted(out.num_scheduled_tokens) == ["r1", "r2"]  # the aborted one at the front is skipped
     s.abort_requests(["r4", "r5", "r6", "r7"])
-    assert [r.request_id for r in s.waiting] == ["r8", "r9"] and s.num_waiting == 2  # compacted
+    assert [r.request_id for r in s.waiting] == ["r8", "r9"] and s.num_waiting == 2
+    assert s.waiting.num_stale == 0  # compacted
 
 
 # ---- overlapped scheduling -------------------------------------------------------------------
@@ -521,3 +523,82 @@ def test_overlapped_scheduling_never_computes_past_max_tokens_and_aborts_cleanly
     assert got["one"][-1] == "length" and len(got["one"]) == 2  # one token, then its end
     assert got["long"][-1] == "abort"
     assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 63 and not s.requests
+
+
+# ---- scheduling policy ------------------------------------------------------------------------
+
+ARRIVALS = [("a", 0, 1.0), ("b", 5, 2.0), ("c", -1, 3.0), ("d", 5, 0.5), ("e", 0, 1.0)]  # id, priority, time
+
+
+def admission_order(s: Scheduler) -> list[str]:
+    order = []
+    while s.has_unfinished_requests():
+        out, _ = step(s)
+        order += [n.req_id for n in out.new_reqs]
+    return order
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"), [("priority", ["c", "a", "e", "d", "b"]), ("fcfs", ["a", "b", "c", "d", "e"])]
+)
+def test_waiting_requests_go_by_priority_then_arrival_or_first_come_first_served(policy, expected):
+    s = make(max_num_seqs=1, scheduling_policy=policy)
+    for rid, priority, arrival in ARRIVALS:  # "e" ties with "a" in both: the insertion order decides
+        sp = SamplingParams(priority=priority, max_tokens=1)
+        s.add_request(Request(rid, [next(_fresh) for _ in range(3)], sp, arrival_time=arrival))
+    assert [r.request_id for r in s.waiting] == expected
+    assert admission_order(s) == expected
+
+
+def run_until_preempted(s: Scheduler) -> Request:
+    for _ in range(20):
+        out, _ = step(s)
+        if out.finished_req_ids:
+            (rid,) = out.finished_req_ids
+            return s.requests[rid]
+    raise AssertionError("nothing was preempted")
+
+
+@pytest.mark.parametrize(("policy", "victim"), [("priority", "a"), ("fcfs", "c")])
+def test_preemption_takes_the_lowest_priority_running_request_under_priority(policy, victim):
+    s = make(num_blocks=7, scheduling_policy=policy)  # 6 usable blocks of 4
+    add(s, "a", 4, ignore_eos=True, priority=9)  # admitted first, yet the least urgent
+    step(s)
+    add(s, "b", 4, ignore_eos=True, priority=1)
+    add(s, "c", 4, ignore_eos=True, priority=0)
+    preempted = run_until_preempted(s)
+    assert preempted.request_id == victim and preempted.status == RequestStatus.PREEMPTED
+    assert sorted(r.request_id for r in s.running) == sorted({"a", "b", "c"} - {victim})
+    if policy == "priority":  # kept in priority order: the next victim is the last one
+        assert [r.request_id for r in s.running] == ["c", "b"]
+
+
+def test_a_preempted_request_goes_back_at_its_own_priority_and_arrival():
+    s = make(num_blocks=7, max_num_seqs=3, scheduling_policy="priority")
+    add(s, "a", 4, ignore_eos=True, priority=9)
+    step(s)
+    add(s, "b", 4, ignore_eos=True, priority=1)
+    add(s, "c", 4, ignore_eos=True, priority=0)
+    add(s, "later", 4, ignore_eos=True, priority=9)  # no room: it waits while a runs
+    assert run_until_preempted(s).request_id == "a"
+    add(s, "urgent", 4, priority=2)
+    assert [r.request_id for r in s.waiting] == ["urgent", "a", "later"]
+
+
+def test_the_priority_queue_puts_back_what_it_popped_in_the_same_order():
+    q = RequestQueue("priority")
+    reqs = [Request(f"r{i}", [1], SamplingParams(priority=i % 2), arrival_time=1.0) for i in range(5)]
+    for r in reqs:
+        q.add(r)
+    popped = [q.pop() for _ in range(3)]
+    assert [r.request_id for r in popped] == ["r0", "r2", "r4"]
+    q.prepend_all(popped)
+    assert [r.request_id for r in q] == ["r0", "r2", "r4", "r1", "r3"]
+    q.prepend(Request("back", [1], SamplingParams(priority=1), arrival_time=1.0))
+    assert [q.pop().request_id for _ in range(len(q))] == ["r0", "r2", "r4", "back", "r1", "r3"]
+    fcfs = RequestQueue("fcfs")  # a deque: priorities and arrival times play no part
+    for r in reversed(reqs[:3]):
+        fcfs.add(r)
+    fcfs.prepend(reqs[3])
+    fcfs.prepend(reqs[4])
+    assert [r.request_id for r in fcfs] == ["r4", "r3", "r2", "r1", "r0"]

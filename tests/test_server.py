@@ -100,6 +100,80 @@ def wait_idle(http: httpx.Client, timeout: float = 10.0) -> dict[str, float]:
 # ---- the openai client ---------------------------------------------------------------------------
 
 
+WET = [{"role": "user", "content": "Answer with one word: is water wet?"}]
+
+
+def test_logit_bias_bans_and_forces_tokens(client):
+    def ids(**kw) -> list[int]:
+        kw.setdefault("max_tokens", 6)
+        extra = {"return_token_ids": True, **kw.pop("extra_body", {})}
+        r = client.chat.completions.create(model=MODEL, messages=WET, temperature=0, extra_body=extra, **kw)
+        return r.choices[0].token_ids
+
+    greedy = ids()
+    banned = ids(logit_bias={str(greedy[0]): -100})
+    assert banned[0] != greedy[0]
+    forced = greedy[0] + 7
+    assert ids(logit_bias={str(forced): 100}, max_tokens=3) == [forced] * 3
+    assert set(ids(extra_body={"allowed_token_ids": [forced, forced + 1]})) <= {forced, forced + 1}
+
+
+def test_min_tokens_holds_back_eos(client, http):
+    eos = http.get("/tokenizer_info").json()["eos_token"]
+    plain = client.chat.completions.create(model=MODEL, messages=WET, temperature=0, max_tokens=64)
+    assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens < 30
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=WET,
+        temperature=0,
+        max_tokens=30,
+        extra_body={"min_tokens": 30, "skip_special_tokens": False},
+    )
+    assert r.usage.completion_tokens == 30 and r.choices[0].finish_reason == "length"
+    assert eos not in r.choices[0].message.content
+
+
+def test_bad_words_are_never_written(client):
+    kw = dict(model=MODEL, messages=WET, temperature=0, max_tokens=12)
+    first = client.chat.completions.create(**kw).choices[0].message.content.split()[0].strip(".,!")
+    r = client.chat.completions.create(**kw, extra_body={"bad_words": [first]})
+    assert first not in r.choices[0].message.content
+
+
+def test_embeddings_rank_a_paraphrase_first_and_equal_transformers(client, http, smollm2_hf):
+    import torch
+
+    texts = [
+        "How do I bake bread?",
+        "What is a simple recipe for making bread at home?",
+        "The rocket launched.",
+    ]
+    r = client.embeddings.create(model=MODEL, input=texts)  # the SDK asks for base64 and decodes it
+    floats = http.post("/v1/embeddings", json={"input": texts, "encoding_format": "float"}).json()
+    e = torch.tensor([d.embedding for d in r.data])
+    assert [d.index for d in r.data] == [0, 1, 2] and e.shape == (3, smollm2_hf.config.hidden_size)
+    assert torch.allclose(e, torch.tensor([d["embedding"] for d in floats["data"]]))
+    assert torch.allclose(e.norm(dim=1), torch.ones(3), atol=1e-5)
+    assert e[0] @ e[1] > e[0] @ e[2]
+    ids = [http.post("/tokenize", json={"prompt": t}).json()["tokens"] for t in texts]
+    assert r.usage.prompt_tokens == r.usage.total_tokens == sum(map(len, ids))
+    for row, t in zip(e, ids):
+        with torch.no_grad():
+            last = smollm2_hf(torch.tensor([t]), output_hidden_states=True).hidden_states[-1][0, -1].float()
+        assert torch.allclose(row, torch.nn.functional.normalize(last, dim=0), atol=1e-4)
+    by_ids = client.embeddings.create(model=MODEL, input=ids[0], encoding_format="float").data[0].embedding
+    assert torch.allclose(torch.tensor(by_ids), e[0], atol=1e-5)
+    for body, param in [({"input": []}, "input"), ({"input": "x", "dimensions": 8}, "dimensions")]:
+        assert_error(http.post("/v1/embeddings", json=body), 400, param)
+
+
+def test_unknown_fields_are_logged_once_by_name(server, client):
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_body={"frobnicate": 1})
+    lines = [line for line in server.log_text().splitlines() if "frobnicate" in line]
+    assert len(lines) == 1 and "ignored" in lines[0]
+
+
 def test_health_version_models(server, http, client):
     assert httpx.get(server.url + "/health").status_code == 200  # no key needed
     assert http.get("/version").json()["version"]
@@ -366,6 +440,13 @@ BAD = [
     (C, {"prompt": "hi", "seed": 2**70}, 400, "seed"),
     (C, {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     (C, {"prompt": "hi", "min_tokens": 8, "max_tokens": 4}, 400, "min_tokens"),
+    (C, {"prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    (C, {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    (C, {"prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    (C, {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, 400, "logit_bias"),
+    (C, {"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    (C, {"prompt": "hi", "allowed_token_ids": [10**6]}, 400, "allowed_token_ids"),
+    (C, {"prompt": "hi", "bad_words": [" "]}, 400, "bad_words"),
     (C, {"prompt": "x" * (BODY_LIMIT + 10)}, 413, None),
     (CHAT, {}, 400, "messages"),
     (CHAT, {"messages": []}, 400, "messages"),
@@ -502,6 +583,39 @@ def test_bad_input_costs_a_greedy_stream_running_beside_it_nothing(http):
         stop.set()
         thread.join(60)
     assert len(texts) >= 2 and all(t == reference for t in texts), (reference, texts)
+
+
+def test_prompt_logprobs_on_chat_and_completions_are_transformers(http, smollm2_hf):
+    import torch
+
+    body = {
+        "messages": [{"role": "user", "content": "Name a colour."}],
+        "max_tokens": 2,
+        "prompt_logprobs": 2,
+    }
+    r = http.post("/v1/chat/completions", json=body).json()
+    ids = http.post("/tokenize", json={"messages": body["messages"]}).json()["tokens"]
+    with torch.no_grad():
+        expected = smollm2_hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    entries = r["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None
+    for pos in range(1, len(ids)):
+        own = next(iter(entries[pos].items()))
+        assert own[0] == str(ids[pos]) and own[1]["decoded_token"]
+        assert own[1]["logprob"] == pytest.approx(expected[pos - 1, ids[pos]].item(), abs=1e-3)
+        best = expected[pos - 1].topk(2)
+        ranked = {int(t): e for t, e in entries[pos].items() if e["rank"] is not None}
+        assert sorted(ranked) == sorted(best.indices.tolist())
+        assert ranked[best.indices[0].item()]["rank"] == 1
+    completion = http.post(
+        "/v1/completions", json={"prompt": ids, "max_tokens": 1, "prompt_logprobs": 2}
+    ).json()
+    assert completion["choices"][0]["prompt_logprobs"] == entries
+    assert (
+        "prompt_logprobs"
+        not in http.post("/v1/chat/completions", json={**body, "prompt_logprobs": None}).json()
+    )
+    assert_error(http.post("/v1/chat/completions", json={**body, "stream": True}), 400, "prompt_logprobs")
 
 
 def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(http, smollm2_hf):

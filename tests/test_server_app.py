@@ -374,7 +374,9 @@ def test_tokenize_detokenize_models_version_metrics(client):
     assert per_pos + '{engine="0",model_name="fake-model",position="1"} 2.0' in text
 
 
-def _drive_until_disconnect(app, body: dict, disconnect_after_s: float) -> list[dict]:
+def _drive_until_disconnect(
+    app, body: dict, disconnect_after_s: float, path: str = "/v1/completions"
+) -> list[dict]:
     """Run one request through the ASGI app with a client that hangs up after `disconnect_after_s`."""
     sent: list[dict] = []
 
@@ -398,8 +400,8 @@ def _drive_until_disconnect(app, body: dict, disconnect_after_s: float) -> list[
             "http_version": "1.1",
             "method": "POST",
             "scheme": "http",
-            "path": "/v1/completions",
-            "raw_path": b"/v1/completions",
+            "path": path,
+            "raw_path": path.encode(),
             "query_string": b"",
             "headers": [(b"content-type", b"application/json")],
             "client": ("127.0.0.1", 1),
@@ -876,3 +878,19 @@ def test_special_token_strings_in_message_content_can_be_sanitised(fake):
         with TestClient(build_app(fake, sanitize_special_tokens=sanitize)) as c:
             assert c.post("/v1/chat/completions", json=body).status_code == 200
     assert seen == [injected["content"], "hisystem: obey"]  # the longest marker goes first, whole
+
+
+def test_priority_reaches_the_engine_and_is_refused_under_fcfs_in_vllms_words(fake, client):
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    bodies = {"/v1/completions": {"prompt": "hi"}, "/v1/chat/completions": chat}
+    for path, body in bodies.items():
+        err = assert_error(client.post(path, json={**body, "max_tokens": 2, "priority": 3}), 400, "priority")
+        assert err["message"].startswith("Got priority 3 but Priority scheduling is not enabled")
+        assert client.post(path, json={**body, "max_tokens": 2, "priority": 0}).status_code == 200
+        assert_error(client.post(path, json={**body, "priority": 2**63}), 400, "priority")
+    fake.processor = InputProcessor(fake.tokenizer, 64, [EOS], len(fake.tokenizer), "priority")
+    seen, real = [], fake.add
+    fake.add = lambda request: seen.append(request.params.priority) or real(request)
+    for path, body in bodies.items():
+        assert client.post(path, json={**body, "max_tokens": 2, "priority": -4}).status_code == 200
+    assert seen == [-4, -4]

@@ -106,6 +106,23 @@ def test_max_tokens_stops_and_n_samples_and_seeds_are_unchanged_by_drafts(loopin
         assert out == [reference[0][:m]]
 
 
+def test_biases_and_bans_are_unchanged_by_drafts(looping_model, reference):
+    ref = reference[0]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=30, logit_bias={ref[3]: -100.0, ref[9]: 5.0}),
+        SamplingParams(temperature=0.0, max_tokens=30, allowed_token_ids=sorted(set(ref) - {ref[5]})),
+        SamplingParams(temperature=0.0, max_tokens=30, min_tokens=20, stop_token_ids=[ref[8]]),
+        SamplingParams(temperature=0.9, max_tokens=30, seed=1, bad_words=["ab"], logit_bias={ref[2]: 3.0}),
+    ]
+    runs = []
+    for spec in (None, SPEC):
+        with engine(looping_model, spec) as llm:
+            runs.append([o.outputs[0].token_ids for o in llm.generate(prompts()[:1] * 4, params, False)])
+            stats = llm.get_stats()
+    assert runs[0] == runs[1] and stats["spec_decoding"]["num_accepted_tokens"] > 0
+    assert ref[3] not in runs[1][0] and ref[5] not in runs[1][1] and ref[8] not in runs[1][2][:20]
+
+
 def test_stop_strings_end_the_text_where_they_would_without_drafts(looping_model):
     with engine(looping_model, None) as llm:
         text = llm.generate(prompts()[0], GREEDY, use_tqdm=False)[0].outputs[0].text

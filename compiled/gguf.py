@@ -8,6 +8,7 @@ again for each of config, tokenizer and model and maps tensor names by building 
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import re
@@ -171,10 +172,46 @@ def _tokenizer(path: str, config):
 
 def convert_gguf(path: str, target: str) -> None:
     """De-quantize a GGUF file into an HF directory at `target`: config.json, tokenizer files and float32
-    weights (a tied LM head left out), as transformers' GGUF support would give them."""
+    weights (a tied LM head left out), as transformers' GGUF support would give them.
+
+    One process converts a file at a time: the data-parallel engine cores of one server all start on the
+    same file, and those that waited load what the first wrote. The lock is the kernel's, so a converter
+    that dies releases it; what such a one left half written is removed by the next."""
+    target_dir = Path(target)
+    target_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(target_dir.with_name(target_dir.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target_dir / "model.safetensors").exists():
+            return
+        _remove_abandoned(target_dir)
+        _convert(path, target_dir)
+
+
+def _remove_abandoned(target: Path) -> None:
+    """`target`'s temporary directories (`NAME.tmpPID`, a float32 copy of the model each) whose process is
+    gone; called under the conversion lock, so no live converter of this version is writing one."""
+    pattern = re.compile(re.escape(target.name) + r"\.tmp([0-9]+)")
+    for tmp in target.parent.iterdir():
+        m = pattern.fullmatch(tmp.name)
+        if m and tmp.is_dir() and not tmp.is_symlink() and not _alive(int(m.group(1))):
+            logger.info("removing %s, left by a conversion that did not finish", tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _convert(path: str, target: Path) -> None:
     from safetensors.torch import save_file
 
-    start, target = time.perf_counter(), Path(target)
+    start = time.perf_counter()
     logger.info("de-quantizing %s (first start only)", path)
     meta, tensors = gguf_tensors(path)
     config = _hf_config(meta, [t[0] for t in tensors])

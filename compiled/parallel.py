@@ -69,8 +69,7 @@ def _open_shm(rank: int, size: int) -> ShmExchange | None:
             free = os.statvfs("/dev/shm")
             if free.f_bavail * free.f_frsize < 2 * shm.file_bytes(size):
                 raise OSError("/dev/shm is too small")
-            with open(path, "wb") as f:
-                f.truncate(shm.file_bytes(size))
+            shm.create(path, size)
             token[:] = torch.tensor(list(name.encode()), dtype=torch.uint8)
         except OSError:
             path = None

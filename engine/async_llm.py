@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.core_client import AsyncCoreClient
-from engine.errors import EngineDeadError, EngineOverloadedError
+from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from engine.front_end import FrontEnd
 from engine.input_processor import PreparedRequest, Prompt
 from engine.outputs import RequestOutput
@@ -53,10 +53,11 @@ class RequestStream:
     dropped unread, before that, it aborts the request in the engine: an admitted request never
     outlives the one stream that can read it."""
 
-    def __init__(self, llm: AsyncLLM, request_id: str) -> None:
-        self.llm, self.request_id = llm, request_id
+    def __init__(self, llm: AsyncLLM, request_id: str, cost: tuple[int, int, int]) -> None:
+        self.llm, self.request_id, self.cost = llm, request_id, cost
         self.pending = llm.queues[request_id] = _Pending()
         self.finished = self.closed = False
+        llm.load = [a + b for a, b in zip(llm.load, cost)]
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -86,6 +87,7 @@ class RequestStream:
         self.closed = True
         llm = self.llm
         llm.queues.pop(self.request_id, None)
+        llm.load = [a - b for a, b in zip(llm.load, self.cost)]
         if not self.finished:
             live = llm.output_processor.abort(self.request_id)
             if not llm.client.dead:
@@ -106,6 +108,16 @@ class AsyncLLM(FrontEnd):
         super().__init__(model, AsyncCoreClient, {"usage": "serving", **engine_args})
         self.queues: dict[str, _Pending] = {}
         self._reader: asyncio.Task | None = None
+        # What the open streams hold (samples, their prompt tokens, constraint bytes), against the limits:
+        # a request admitted counts until its stream closes, its last output read or abandoned.
+        self.load = [0, 0, 0]
+        c = self.config
+        kv_tokens = self.client.ready.num_kv_blocks * c.block_size * len(self.client.cores)
+        self.limits = (
+            c.max_num_seqs + c.max_pending_requests,
+            c.max_pending_tokens or max(16 * kv_tokens, 4 * self.max_model_len),
+            c.max_pending_constraint_bytes,
+        )
 
     @property
     def dead(self) -> str | None:
@@ -133,11 +145,16 @@ class AsyncLLM(FrontEnd):
         for start in range(0, len(outputs), OUTPUT_CHUNK):
             if start:
                 await asyncio.sleep(0)  # let streams and /health run between chunks
-            updates, to_abort = self.output_processor.process_outputs(outputs[start : start + OUTPUT_CHUNK])
+            chunk = outputs[start : start + OUTPUT_CHUNK]
+            updates, to_abort, failed = self.output_processor.process_outputs(chunk)
             self.client.abort_requests(to_abort)
             for out in updates:
                 if (queue := self.queues.get(out.request_id)) is not None:
                     queue.put(out)
+            for rid, error in failed.items():  # that request ends with its error; the others go on
+                logger.error("handling the outputs of request %s failed; it is aborted", rid, exc_info=error)
+                if (queue := self.queues.get(rid)) is not None:
+                    queue.put(error)
 
     def _on_lost(self, message: str, core_ids: list[str]) -> None:
         """A data-parallel core died: end the requests it held; the other cores serve on."""
@@ -157,19 +174,25 @@ class AsyncLLM(FrontEnd):
         prompt: Prompt | PreparedRequest,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        keep_logprobs: bool = True,
     ) -> RequestStream:
         """Admit a request (or one `process` validated) and return its stream: a full front end
-        (EngineOverloadedError), a bad prompt, an id in use or a dead core fail here, before any reply."""
+        (EngineOverloadedError), a bad prompt, an id in use or a dead core fail here, before any reply.
+        `keep_logprobs` False: each output carries only the logprobs new since the last one read
+        (`delta_logprobs`), for a reader that sends them on; a long stream then holds none it has sent."""
         self._ensure_reader()
         if self.dead:  # the process is checked now: the reader may not have seen it die yet
             raise EngineDeadError(self.dead)
         if not isinstance(prompt, PreparedRequest):
             prompt = self.process(prompt, sampling_params or SamplingParams(), request_id)
-        self.check_capacity()
-        self.output_processor.add_request(prompt)  # a request id in use fails here, touching nothing
-        stream = RequestStream(self, prompt.request_id)
+        cost = prompt.cost
+        self.check_capacity(*cost)
+        # A request id in use fails here, touching nothing.
+        self.output_processor.add_request(prompt, keep_logprobs)
+        stream = RequestStream(self, prompt.request_id, cost)
         try:
-            self.client.add_requests(prompt.core_requests)
+            self.client.add_request(prompt.core_request)
         except BaseException:
             stream.close()
             raise
@@ -180,24 +203,30 @@ class AsyncLLM(FrontEnd):
         prompt: Prompt | PreparedRequest,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        keep_logprobs: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's state each time it changes; the last one has `finished` set. Closing the
-        generator early (a client went away) aborts the request in the engine."""
-        async with contextlib.aclosing(self.add(prompt, sampling_params, request_id)) as stream:
+        generator early (a client went away) aborts the request in the engine. `keep_logprobs`: as `add`."""
+        stream = self.add(prompt, sampling_params, request_id, keep_logprobs=keep_logprobs)
+        async with contextlib.aclosing(stream):
             async for out in stream:
                 yield out
 
-    def check_capacity(self, count: int = 1) -> None:
-        """EngineOverloadedError if `count` more requests would exceed what this front end may hold:
-        max_num_seqs running and max_pending_requests waiting for a slot."""
-        c = self.config
-        limit = c.max_num_seqs + c.max_pending_requests
-        if len(self.output_processor.requests) + count > limit:
-            raise EngineOverloadedError(
-                f"{len(self.output_processor.requests)} requests are in flight and the limit is {limit} "
-                f"(max_num_seqs {c.max_num_seqs} + max_pending_requests {c.max_pending_requests}); "
-                "retry later"
-            )
+    def check_capacity(self, samples: int = 1, tokens: int = 0, constraint_bytes: int = 0) -> None:
+        """EngineOverloadedError if admitting this much more would pass what this front end may hold: samples
+        (max_num_seqs running + max_pending_requests waiting), their prompt tokens, constraint bytes."""
+        asked = (samples, tokens, constraint_bytes)
+        names = ("samples", "prompt tokens", "bytes of constraints")
+        for name, held, more, limit in zip(names, self.load, asked, self.limits):
+            if more > limit:
+                message = f"this request alone brings {more} {name}, past the limit of {limit}"
+                raise InvalidRequestError(message, "n")
+            if more and held + more > limit:
+                raise EngineOverloadedError(
+                    f"{held} {name} are in flight and this request brings {more}; the limit is {limit}: "
+                    "retry later"
+                )
 
     def fail_all(self, error: BaseException) -> None:
         """End every request in flight with `error`; their streams close and abort them in the core."""

@@ -159,8 +159,18 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         ),
     ] = None
     max_pending_requests: Annotated[
-        int, _help("streaming front ends: requests held beyond max_num_seqs before more are refused (429)")
+        int, _help("streaming front ends: samples held beyond max_num_seqs before more are refused (429)")
     ] = 4096
+    max_pending_tokens: Annotated[
+        int | None,
+        _help(
+            "streaming front ends: prompt tokens of every sample in flight before more are refused (429); "
+            "default 16 times the KV cache's tokens"
+        ),
+    ] = None
+    max_pending_constraint_bytes: Annotated[
+        int, _help("streaming front ends: bytes of structured-output constraints in flight (429 past it)")
+    ] = 16 << 20
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, str | dict):  # JSON from the command line, a dict from Python

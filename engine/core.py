@@ -101,23 +101,31 @@ class EngineCore:
             self.config, self.num_blocks, e.max_model_len, e.dtype, e.device, e.vocab_size, engine_index
         )
 
-    def add_request(self, req: EngineCoreRequest) -> EngineCoreOutput | None:
-        """Queue a request; one that can never run is finished at once ("abort", why in stop_reason)."""
-        so = req.sampling_params.structured_outputs
-        request = Request(
-            req.request_id,
-            req.prompt_token_ids,
-            req.sampling_params,
-            req.eos_token_id,
-            req.arrival_time,
-            req.cache_salt,
-            None if so is None else self.structured.grammar(so, req.eos_token_id),
+    def add_request(self, req: EngineCoreRequest) -> list[EngineCoreOutput]:
+        """Queue a request's samples; one that can never run is finished at once ("abort", why in
+        stop_reason). The samples share the prompt's token list and the constraint's compiled grammar."""
+        samples, so = req.samples(), req.sampling_params.structured_outputs
+        grammars = (
+            self.structured.grammars(so, req.eos_token_id, len(samples)) if so else [None] * len(samples)
         )
-        try:
-            self.scheduler.add_request(request)
-        except ValueError as e:
-            return EngineCoreOutput(req.request_id, [], finish_reason="abort", stop_reason=str(e))
-        return None
+        rejected = []
+        for sample, grammar in zip(samples, grammars):
+            request = Request(
+                sample.request_id,
+                req.prompt_token_ids,
+                sample.sampling_params,
+                req.eos_token_id,
+                req.arrival_time,
+                req.cache_salt,
+                grammar,
+            )
+            try:
+                self.scheduler.add_request(request)
+            except ValueError as e:
+                rejected.append(
+                    EngineCoreOutput(sample.request_id, [], finish_reason="abort", stop_reason=str(e))
+                )
+        return rejected
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         for rid in request_ids:
@@ -267,8 +275,7 @@ class EngineCoreProc:
                 break
             flags = zmq.NOBLOCK
             if isinstance(msg, EngineCoreRequest):
-                if (rejected := self.core.add_request(msg)) is not None:
-                    outputs.append(rejected)
+                outputs.extend(self.core.add_request(msg))
             elif isinstance(msg, AbortRequests):
                 outputs.extend(self.core.abort_requests(msg.request_ids))
             elif isinstance(msg, UtilityCall):

@@ -9,6 +9,7 @@ A local core runs as a fresh `python -m engine.core` process (not a fork); it di
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -182,14 +183,13 @@ class CoreClient:
         self.dead = message
         self.shutdown()
 
-    def add_requests(self, requests: list[m.EngineCoreRequest]) -> None:
-        """Send one prompt's requests (its n samples) to the core the coordinator picks for it."""
+    def add_request(self, request: m.EngineCoreRequest) -> None:
+        """Send one prompt (with its n samples) to the core the coordinator picks for it."""
         self.check_alive()
-        first = requests[0]
-        ids = [r.request_id for r in requests]
-        core = self.cores[self.coordinator.route(first.prompt_token_ids, first.cache_salt, ids)]
-        for request in requests:
-            self.send(core, request)
+        ids = request.sample_ids()
+        self.send(
+            self.cores[self.coordinator.route(request.prompt_token_ids, request.cache_salt, ids)], request
+        )
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if not request_ids or self.dead:
@@ -246,9 +246,8 @@ class CoreClient:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    proc.kill()  # nothing if it has exited (Popen checks)
+    proc.wait()
 
 
 def _release(procs: list[subprocess.Popen], ctx: zmq.Context, ipc_dir: str) -> None:
@@ -298,7 +297,8 @@ class SyncCoreClient(CoreClient):
 
 class AsyncCoreClient(CoreClient):
     """asyncio receive, for the server: one reader task hands outputs to `on_outputs`. One core's death
-    fails only the requests it held (`on_lost`); the engine is dead once every core is."""
+    fails only the requests it held (`on_lost`); the engine is dead once every core is. Sends never wait
+    on the event loop: what a core's full inbox cannot take yet waits, in order, in its outbox."""
 
     fail_together = False
 
@@ -306,6 +306,48 @@ class AsyncCoreClient(CoreClient):
         super().__init__(*args, **kwargs)
         self.aoutput = zmq.asyncio.Socket.from_socket(self.output)
         self._calls: dict[int, tuple[int, asyncio.Future]] = {}  # call id -> core index, its result
+        self._outboxes: dict[int, collections.deque[bytes]] = {}  # core index -> frames not yet taken
+        self._flushers: dict[int, asyncio.Task] = {}  # core index -> the task sending its outbox
+
+    def send(self, core: CoreProcess, msg) -> None:
+        """Queue `msg` for `core` at once: waiting for room in a busy core's full inbox would freeze every
+        stream on this loop, so the frame waits, in order, in its outbox for a task to send it. Until the
+        cores are ready (the start, which waits for them on this thread) this waits for room."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is None or self.ready is None:
+            return super().send(core, msg)
+        self.check_alive()
+        if core.dead:
+            raise EngineDeadError(core.dead)
+        frame, outbox = self.encoder.encode(msg), self._outboxes.get(core.index)
+        if outbox is None:
+            try:
+                core.input.send(frame, copy=False, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                outbox = self._outboxes[core.index] = collections.deque()
+        outbox.append(frame)
+        flusher = self._flushers.get(core.index)  # one on this loop: a loop that stopped runs none
+        if flusher is None or flusher.done() or flusher.get_loop() is not loop:
+            self._flushers[core.index] = loop.create_task(self._flush(core, outbox))
+
+    async def _flush(self, core: CoreProcess, outbox: collections.deque[bytes]) -> None:
+        """Send the outbox's frames as `core` takes them; a dead core's are dropped (the reader fails its
+        requests), as are all at shutdown, when the socket closes."""
+        sock = zmq.asyncio.Socket.from_socket(core.input)
+        with contextlib.suppress(zmq.ZMQError, EngineDeadError):
+            while outbox and not core.dead:
+                if not await sock.poll(POLL_MS, zmq.POLLOUT):
+                    self.check_alive()
+                    continue
+                with contextlib.suppress(zmq.Again):
+                    core.input.send(outbox[0], copy=False, flags=zmq.NOBLOCK)
+                    outbox.popleft()
+        if self._outboxes.get(core.index) is outbox and (core.dead or not outbox):
+            del self._outboxes[core.index]
 
     async def run_reader(self, on_outputs, on_lost, on_dead) -> None:
         """Deliver outputs until every core has died or the engine shuts down; hand each dead core's

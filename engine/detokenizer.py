@@ -4,7 +4,9 @@ Decoding a growing token list one token at a time is wrong for byte-fallback and
 characters (a character may span tokens) and for tokenizers that merge spaces across tokens, so
 each step decodes a short window twice: `[prefix_offset, read_offset)` is text already emitted,
 `[prefix_offset, end)` is that plus the new tokens; the difference is the new text, held back
-while it ends in an incomplete character (U+FFFD).
+while it ends in an incomplete character (U+FFFD). The window stays short whatever the tokens: one that adds
+no text (a skipped special token) leaves it, and text still incomplete after _MAX_PENDING tokens is
+emitted as it is (bytes that never form a character), so each token costs two short decodes.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from engine.params import SamplingParams
 
 # Prompt tokens decoded before the first output token, so its leading space comes out right.
 _CONTEXT_TOKENS = 5
+# A UTF-8 character spans at most 4 bytes: past this many tokens an incomplete ending is not one.
+_MAX_PENDING = 8
 
 
 class IncrementalDetokenizer:
@@ -45,7 +49,11 @@ class IncrementalDetokenizer:
             self.ids.append(token)
             prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
             full = self._decode(self.ids[self.prefix_offset :])
-            if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            if full == prefix:
+                del self.ids[self.read_offset :]  # no text: kept, it would lengthen every later decode
+                continue
+            held = len(full) <= len(prefix) or full.endswith("\ufffd")
+            if held and len(self.ids) - self.read_offset < _MAX_PENDING:
                 continue
             before = len(self.text)
             self.text += full[len(prefix) :]

@@ -1,11 +1,13 @@
 """Prompts into engine-core requests: the one place a prompt and its params are checked against the model.
 
-A prompt (text, token ids or a conversation) becomes validated token ids and one EngineCoreRequest per
-sample: n > 1 fans out into n core requests that share the prompt's cached blocks.
+A prompt (text, token ids or a conversation) becomes validated token ids and one EngineCoreRequest, whose
+n samples the core runs as n requests sharing the prompt (and its cached blocks).
 """
 
 from __future__ import annotations
 
+import copy
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +30,17 @@ class PreparedRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    core_requests: list[EngineCoreRequest]
+    core_request: EngineCoreRequest  # what is sent: the prompt once, for all its samples
+    core_requests: list[EngineCoreRequest]  # its samples, as the core runs them
+
+    @property
+    def cost(self) -> tuple[int, int, int]:
+        """What it holds while in flight: its samples, their prompt tokens, its constraint's bytes (sent and
+        compiled once for all samples)."""
+        so = self.params.structured_outputs
+        size = 0 if so is None else len(msgspec.json.encode(so))
+        n = len(self.core_requests)
+        return n, n * len(self.prompt_token_ids), size
 
 
 class InputProcessor:
@@ -42,13 +54,23 @@ class InputProcessor:
         model_vocab_size: int,
         scheduling_policy: str = "fcfs",
     ) -> None:
-        self.tokenizer = tokenizer
+        self._tokenizer, self._local = tokenizer, threading.local()
+        self._local.tokenizer = tokenizer
         self.scheduling_policy = scheduling_policy
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
         self.extra_stop_ids = eos_token_ids[1:]  # e.g. Llama 3's <|eot_id|> besides <|end_of_text|>
         # Ids the model can embed and the tokenizer can read back; either may be the larger.
         self.vocab_size = min(len(tokenizer), model_vocab_size)
+
+    @property
+    def tokenizer(self):
+        """This thread's tokenizer: HF fast tokenizers must not be used from two threads at once, so each
+        thread but the one that made the processor works on a copy of its own."""
+        tokenizer = getattr(self._local, "tokenizer", None)
+        if tokenizer is None:
+            tokenizer = self._local.tokenizer = copy.deepcopy(self._tokenizer)
+        return tokenizer
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -137,19 +159,7 @@ class InputProcessor:
         """Validate `prompt` and build its core requests; sample i of a seeded request uses seed + i."""
         prompt_ids = self.tokenize(prompt)
         params = self.validate(prompt_ids, params)
-        stop_ids = [*params.stop_token_ids, *self.extra_stop_ids]
-        reqs = []
-        for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i
-            rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            # One sample computes the prompt's logprobs: they are the same for all.
-            prompt_lp = params.prompt_logprobs if i == 0 else None
-            sample = msgspec.structs.replace(
-                params, n=1, seed=seed, prompt_logprobs=prompt_lp, stop_token_ids=stop_ids
-            )
-            reqs.append(
-                EngineCoreRequest(rid, prompt_ids, sample, arrival_time, self.eos_token_id, cache_salt)
-            )
-        return PreparedRequest(
-            request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params, reqs
-        )
+        core = msgspec.structs.replace(params, stop_token_ids=[*params.stop_token_ids, *self.extra_stop_ids])
+        request = EngineCoreRequest(request_id, prompt_ids, core, arrival_time, self.eos_token_id, cache_salt)
+        text = prompt if isinstance(prompt, str) else None
+        return PreparedRequest(request_id, text, prompt_ids, params, request, request.samples())

@@ -82,7 +82,7 @@ class LLM(FrontEnd):
                 request = self.process(prompt, p)
                 order[request.request_id] = i
                 self.output_processor.add_request(request)
-                self.client.add_requests(request.core_requests)
+                self.client.add_request(request.core_request)
             return self._collect(order, use_tqdm)
         except BaseException:
             # Bad input, Ctrl-C or a dead engine: nothing of this call may stay in the engine.
@@ -103,8 +103,10 @@ class LLM(FrontEnd):
         generated = done = 0
         with bar:
             while done < len(order):
-                updates, to_abort = self.output_processor.process_outputs(self.client.get_outputs())
+                updates, to_abort, failed = self.output_processor.process_outputs(self.client.get_outputs())
                 self.client.abort_requests(to_abort)
+                for error in failed.values():
+                    raise error  # the call's other requests are aborted on the way out
                 for out in updates:
                     generated += sum(len(c.delta_token_ids) for c in out.outputs)
                     if out.finished:

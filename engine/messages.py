@@ -18,12 +18,35 @@ from engine.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 
 
 class EngineCoreRequest(msgspec.Struct, tag=True, array_like=True):
+    """One prompt and its `sampling_params.n` samples, sent once: the core runs each sample as a request of
+    its own (`samples()`), all sharing the prompt and the constraint rather than carrying copies."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float
     eos_token_id: int | None = None
     cache_salt: str | None = None
+
+    def sample_ids(self) -> list[str]:
+        """The samples' request ids: the request's own for one sample, "<id>#<i>" for several."""
+        n = self.sampling_params.n
+        return [self.request_id] if n == 1 else [f"{self.request_id}#{i}" for i in range(n)]
+
+    def samples(self) -> list[EngineCoreRequest]:
+        """One request per sample: sample i draws with seed + i, and only the first computes the prompt's
+        logprobs (the same for all)."""
+        p = self.sampling_params
+        if p.n == 1:
+            return [self]
+        out = []
+        for i, rid in enumerate(self.sample_ids()):
+            seed = None if p.seed is None else p.seed + i
+            params = msgspec.structs.replace(
+                p, n=1, seed=seed, prompt_logprobs=p.prompt_logprobs if i == 0 else None
+            )
+            out.append(msgspec.structs.replace(self, request_id=rid, sampling_params=params))
+        return out
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):

@@ -8,6 +8,14 @@ import os
 import signal
 import socket
 import sys
+import threading
+
+
+def lower_thread_priority() -> None:
+    """The calling thread at nice 19 (Linux sets niceness per thread; elsewhere nothing changes): work
+    that can wait, off the cores the model's threads need."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def die_with_parent(parent: int) -> None:

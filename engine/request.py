@@ -50,7 +50,7 @@ class Request:
         grammar: Grammar | None = None,
     ) -> None:
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
+        self.prompt_token_ids = prompt_token_ids  # shared by a request's samples: never changed
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = time.time() if arrival_time is None else arrival_time

@@ -138,6 +138,8 @@ class Scheduler:
             self.kv_cache_manager.free(req)
             if self.proposer is not None:
                 self.proposer.finished(req)
+            if req.grammar is not None and self.structured is not None:
+                self.structured.release(req.grammar)
             self.finished_req_ids.add(req.request_id)
         if len(done) > num_waiting:
             self.running = [r for r in self.running if not r.status.finished]

@@ -10,11 +10,12 @@ copy of the cached matcher, so a schema seen before costs a copy, not a compile.
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import json
 import logging
 import re
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -24,6 +25,7 @@ import llguidance.numpy
 import numpy as np
 
 from engine.params import StructuredOutputsParams
+from engine.processes import lower_thread_priority
 
 logger = logging.getLogger("kiln.structured")
 
@@ -33,6 +35,9 @@ JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 _EXCERPT = re.compile(r"\d+ \|")  # "   1 | start: /a(b/": the grammar line an error points into
 CACHE_SIZE = 256  # compiled grammars kept
 COMPILE_THREADS = 2
+# A grammar's text at most (a schema of a few thousand fields is ~200 KB and compiles in about a second).
+MAX_GRAMMAR_BYTES = 512 << 10
+COMPILE_TIMEOUT_S = 60.0  # a request whose grammar has not compiled by then fails, naming this limit
 
 
 def grammar_text(so: StructuredOutputsParams) -> str:
@@ -45,15 +50,38 @@ def grammar_text(so: StructuredOutputsParams) -> str:
                 schema = json.loads(schema)
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema must be an object")
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORMAT)
-        return llguidance.grammar_from(kind, getattr(so, kind))  # "choice", "regex" or "grammar"
+            text = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORMAT)
+        else:
+            text = llguidance.grammar_from(kind, getattr(so, kind))  # "choice", "regex" or "grammar"
     except ValueError as e:
         raise ValueError(f"structured_outputs.{kind}: {e}") from None
+    if len(text) > MAX_GRAMMAR_BYTES:
+        size, limit = len(text), MAX_GRAMMAR_BYTES
+        raise ValueError(f"structured_outputs.{kind}: its grammar is {size} bytes, past the limit of {limit}")
+    return text
 
 
-@functools.lru_cache(maxsize=CACHE_SIZE)
+def _key(text: str) -> bytes:
+    """Caches are keyed by a digest, so that what they hold is bounded by their entries, not their texts."""
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+_errors: OrderedDict[bytes, str] = OrderedDict()  # grammar digest -> validate_grammar's error ("" if none)
+_errors_lock = threading.Lock()
+
+
 def _grammar_error(grammar: str) -> str:
-    return llguidance.LLMatcher.validate_grammar(grammar)
+    key = _key(grammar)
+    with _errors_lock:
+        if key in _errors:
+            _errors.move_to_end(key)
+            return _errors[key]
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    with _errors_lock:
+        _errors[key] = error
+        if len(_errors) > CACHE_SIZE:
+            _errors.popitem(last=False)
+    return error
 
 
 def check(so: StructuredOutputsParams) -> None:
@@ -78,12 +106,16 @@ class Grammar:
         self.future = future
         self.matcher: llguidance.LLMatcher | None = None
         self.error: str | None = None
+        self.since = time.monotonic()
 
     @property
     def ready(self) -> bool:
         if self.matcher is None and self.error is None:
             if not self.future.done():
-                return False
+                if time.monotonic() - self.since < COMPILE_TIMEOUT_S:
+                    return False
+                self.error = f"the grammar did not compile within {COMPILE_TIMEOUT_S:.0f} s"
+                return True
             try:
                 self.matcher = self.future.result().deep_copy()
             except Exception as e:
@@ -113,30 +145,48 @@ class StructuredOutputManager:
 
     def __init__(self, tokenizer_dir: str, vocab_size: int, parallel_masks: bool = False) -> None:
         self.tokenizer_dir, self.vocab_size = tokenizer_dir, vocab_size
-        self.pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="kiln-grammar")
+        # Compiles run below the model's threads: a request's grammar waits, never another request's step.
+        self.pool = ThreadPoolExecutor(COMPILE_THREADS, "kiln-grammar", lower_thread_priority)
         # Masks on a thread pool only where the model leaves the cores free (a GPU): on a CPU the pool's
         # threads would take the cores from the model's, for masks that take microseconds each.
         self.executor = llguidance.LLExecutor() if parallel_masks else None
-        self.cache: OrderedDict[str, Future] = OrderedDict()  # grammar text -> its compile
+        self.cache: OrderedDict[bytes, Future] = OrderedDict()  # grammar digest -> its compile
+        self.waiters: dict[Future, int] = {}  # a compile -> live requests that took it while it was running
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
 
-    def grammar(self, so: StructuredOutputsParams, eos_token_id: int | None) -> Grammar:
-        """A matcher for `so`, compiling it in the background unless the cache holds it."""
+    def grammars(self, so: StructuredOutputsParams, eos_token_id: int | None, n: int = 1) -> list[Grammar]:
+        """`n` matchers for `so` (a request's samples), compiling it in the background unless the cache
+        holds it; its grammar text is made once for all of them."""
         try:
             text = grammar_text(so)
         except ValueError as e:
             future: Future = Future()
             future.set_exception(e)
-            return Grammar(future)
-        future = self.cache.get(text)
+            return [Grammar(future) for _ in range(n)]
+        key = _key(text)
+        future = self.cache.get(key)
         if future is None:
-            future = self.cache[text] = self.pool.submit(self._compile, text, eos_token_id)
+            future = self.cache[key] = self.pool.submit(self._compile, text, eos_token_id)
             if len(self.cache) > CACHE_SIZE:
                 self.cache.popitem(last=False)
         else:
-            self.cache.move_to_end(text)
-        return Grammar(future)
+            self.cache.move_to_end(key)
+        if not future.done():
+            self.waiters[future] = self.waiters.get(future, 0) + n
+        return [Grammar(future) for _ in range(n)]
+
+    def release(self, grammar: Grammar) -> None:
+        """A request with `grammar` ended: a compile no live request waits for any more is cancelled (if
+        it has not started), so that aborted requests leave no work queued ahead of others'."""
+        future = grammar.future
+        if future not in self.waiters:
+            return
+        self.waiters[future] -= 1
+        if self.waiters[future] == 0:
+            del self.waiters[future]
+            if future.cancel():
+                self.cache = OrderedDict((k, f) for k, f in self.cache.items() if f is not future)
 
     def wait(self, timeout: float) -> None:
         """Block until a compile finishes or `timeout` passes (the core's idle wait while one runs)."""

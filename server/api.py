@@ -12,17 +12,16 @@ import asyncio
 import contextlib
 import functools
 import logging
+import re
 import resource
-import secrets
 import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, NoReturn
 
 from starlette.applications import Starlette
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
@@ -30,36 +29,31 @@ from starlette.routing import Route
 
 from engine.errors import EngineDeadError
 from server.errors import APIError, as_api_error, json_response
-from server.protocol import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    HealthResponse,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-    TokenizeResponse,
-    TokenizerInfoResponse,
-    VersionResponse,
-)
+from server.guard import APIKeyMiddleware, RequestGuard
+from server.protocol import HealthResponse, ModelCard, ModelList, TokenizerInfoResponse, VersionResponse
 from server.serving import DEFAULT_MAX_BODY_BYTES, SHUTTING_DOWN, Disconnected, Serving
 from server.serving_chat import ChatServing
 from server.serving_completion import CompletionServing
 from server.serving_embedding import EmbeddingServing
 from server.serving_responses import ResponsesServing
+from server.serving_tokenize import TokenizeServing
 from server.transport import uvicorn_config
 
 logger = logging.getLogger("kiln.server")
 STATS_MAX_AGE_S = 1.0  # /metrics answers from engine stats at most this old
 HEALTH_MAX_AGE_S = 5.0  # /health answers from stats this old while fresher ones are fetched
+# Why the core died (a worker's exception, paths, exit codes) goes to the log, not to clients.
+UNAVAILABLE = "the engine core is unavailable"
 
 
 class Routes:
-    """The endpoints besides the two generating ones: health, version, models, metrics, (de)tokenize."""
+    """The endpoints besides the generating ones and (de)tokenizing: health, version, models, metrics."""
 
     def __init__(self, serving: Serving) -> None:
         self.s = serving
         self._stats_call: asyncio.Future | None = None
         self._stats_at = -float("inf")
+        self._reported: str | None = None
 
     async def stats(self, timeout: float, max_age: float = STATS_MAX_AGE_S) -> dict:
         """The engine core's stats, refreshed once they are STATS_MAX_AGE_S old: a flood of /health or
@@ -88,13 +82,20 @@ class Routes:
             try:
                 await self.stats(timeout=10.0, max_age=HEALTH_MAX_AGE_S)
             except (EngineDeadError, TimeoutError, RuntimeError) as e:
-                raise APIError(503, f"the engine core is not responding: {self.s.llm.dead or e}") from None
+                self._unhealthy(f"the engine core is not responding: {self.s.llm.dead or e!r}")
         if self.s.llm.dead:
-            raise APIError(503, f"the engine core is dead: {self.s.llm.dead}")
+            self._unhealthy(f"the engine core is dead: {self.s.llm.dead}")
         if dead := self.s.llm.dead_cores:
             # The live cores still serve, but the server is short of capacity until it is restarted.
-            raise APIError(503, f"{'; '.join(dead)}; the other engine cores still serve")
+            names = ", ".join(m.group() if (m := re.match(r"engine core \d+", d)) else "a core" for d in dead)
+            self._unhealthy("; ".join(dead), f"{names} unavailable; the other engine cores still serve")
         return json_response(HealthResponse(status="ok"))
+
+    def _unhealthy(self, detail: str, message: str = UNAVAILABLE) -> NoReturn:
+        if detail != self._reported:  # a load balancer polls: each reason is logged once
+            logger.warning("/health: %s", detail)
+            self._reported = detail
+        raise APIError(503, message)
 
     async def version(self, request: Request) -> Response:
         from importlib.metadata import PackageNotFoundError
@@ -127,37 +128,6 @@ class Routes:
                 logger.warning("could not refresh engine stats: %s", e)
         return Response(self.s.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    async def tokenize(self, request: Request) -> Response:
-        b: TokenizeRequest = await self.s.read(request, TokenizeRequest)
-        if b.messages is not None:
-            ids = await self.s.offload(
-                self.s.chat_ids, b.messages, b.add_generation_prompt is not False, None
-            )
-        elif b.prompt is not None:
-            special, encode = b.add_special_tokens is not False, self.s.llm.tokenizer.encode
-            try:
-                ids = await self.s.offload(lambda: encode(b.prompt, add_special_tokens=special))
-            except Exception as e:
-                raise APIError(400, f"could not tokenize the prompt: {e}", "prompt") from None
-        else:
-            raise APIError(400, "either prompt or messages is required", "prompt")
-        strs = [self.s.tokens.text(t) for t in ids] if b.return_token_strs else None
-        return json_response(
-            TokenizeResponse(
-                count=len(ids), max_model_len=self.s.llm.max_model_len, tokens=ids, token_strs=strs
-            )
-        )
-
-    async def detokenize(self, request: Request) -> Response:
-        b: DetokenizeRequest = await self.s.read(request, DetokenizeRequest)
-        vocab = self.s.llm.processor.vocab_size
-        for i, t in enumerate(b.tokens):
-            if not 0 <= t < vocab:
-                raise APIError(
-                    400, f"tokens[{i}]={t} is not a token id (the vocabulary has {vocab})", "tokens"
-                )
-        return json_response(DetokenizeResponse(prompt=self.s.llm.tokenizer.decode(b.tokens)))
-
     async def tokenizer_info(self, request: Request) -> Response:
         """What a client needs to tokenize as the server does (lm-eval's remote tokenizer reads it)."""
         tok, optional = self.s.llm.tokenizer, ("bos_token", "eos_token", "pad_token", "chat_template")
@@ -172,11 +142,14 @@ class Routes:
 
 
 def _route(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-    """Every way a request can fail becomes an OpenAI-shaped error; a client that left gets a bare 499."""
+    """Every way a request can fail becomes an OpenAI-shaped error; a client that left gets a bare 499.
+    Once the engine core is gone every route is a 503: nothing a client asks can be answered right."""
 
     @functools.wraps(handler)
     async def wrapped(request: Request) -> Response:
         try:
+            if request.app.state.server.llm.dead:
+                raise APIError(503, UNAVAILABLE)
             return await handler(request)
         except (Disconnected, ClientDisconnect):
             return Response(status_code=499)
@@ -184,36 +157,6 @@ def _route(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Reque
             return as_api_error(e, f"in {request.method} {request.url.path}").response()
 
     return wrapped
-
-
-# Besides /v1, what tells of others' requests (prefix-cache counts) or of the served model's files.
-GUARDED = ("/metrics", "/tokenize", "/detokenize", "/tokenizer_info")
-
-
-class _APIKeyMiddleware:
-    """`Authorization: Bearer <key>` on every /v1 route and on GUARDED; /health and /version stay open."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        path = scope.get("path", "")
-        if (
-            scope["type"] == "http"
-            and scope.get("method") != "OPTIONS"
-            and (path == "/v1" or path.startswith("/v1/") or path in GUARDED)
-        ):
-            given = Headers(scope=scope).get("authorization", "").encode()
-            if not secrets.compare_digest(given, self.expected):
-                error = APIError(
-                    401,
-                    "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                    code="invalid_api_key",
-                )
-                await error.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -232,15 +175,18 @@ def build_app(
     trust_request_chat_template: bool = False,
     sanitize_special_tokens: bool = False,
     tool_call_parser: str | None = None,
+    allowed_origins: Sequence[str] = (),
+    allowed_hosts: Sequence[str] | None = None,
 ) -> Starlette:
     """The HTTP app over an AsyncLLM (or anything with its attributes: tokenizer, processor, max_model_len,
-    model_name, dead, dead_cores, generate, chat_prompt, get_stats, check_capacity, embedding_params)."""
+    model_name, dead, dead_cores, generate, chat_prompt, get_stats, check_capacity, embedding_params).
+    `allowed_hosts` None: any Host (an app that serve() did not bind to an address of its own)."""
     serving = Serving(
         llm, max_body_bytes, trust_request_chat_template, sanitize_special_tokens, tool_call_parser
     )
     misc, completion, chat = Routes(serving), CompletionServing(serving), ChatServing(serving)
     responses = ResponsesServing(chat)
-    embeddings = EmbeddingServing(serving)
+    embeddings, tokenizing = EmbeddingServing(serving), TokenizeServing(serving)
     routes = [
         Route("/health", _route(misc.health), methods=["GET"]),
         Route("/version", _route(misc.version), methods=["GET"]),
@@ -250,14 +196,17 @@ def build_app(
         Route("/v1/chat/completions", _route(chat.create), methods=["POST"]),
         Route("/v1/responses", _route(responses.create), methods=["POST"]),
         Route("/v1/embeddings", _route(embeddings.create), methods=["POST"]),
-        Route("/tokenize", _route(misc.tokenize), methods=["POST"]),
-        Route("/detokenize", _route(misc.detokenize), methods=["POST"]),
+        Route("/tokenize", _route(tokenizing.tokenize), methods=["POST"]),
+        Route("/detokenize", _route(tokenizing.detokenize), methods=["POST"]),
         Route("/tokenizer_info", _route(misc.tokenizer_info), methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _server_error})
     app.state.server = serving
     if api_key:
-        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    # With a key, a page that reached the server by a rebound name still cannot authenticate.
+    hosts = None if api_key else allowed_hosts
+    app.add_middleware(RequestGuard, allowed_origins=allowed_origins, allowed_hosts=hosts)
     return app
 
 
@@ -303,6 +252,8 @@ def serve(
     tool_call_parser: str | None = None,
     shutdown_timeout: float = 30.0,
     exit_on_engine_death: bool = False,
+    allowed_origins: Sequence[str] = (),
+    allowed_hosts: Sequence[str] = (),
 ) -> int:
     import uvicorn
 
@@ -327,6 +278,8 @@ def serve(
             await super().startup(sockets)
             if self.started:
                 logger.info("serving %s at %s (Ctrl-C to stop)", llm.model_name, url)
+                if host in ("0.0.0.0", "::") and not api_key and "*" not in allowed_hosts:
+                    logger.info("Host names besides IP addresses and localhost need --allowed-hosts")
                 if exit_on_engine_death:
                     self.watch = asyncio.get_running_loop().create_task(self.exit_when_engine_dies())
 
@@ -370,6 +323,8 @@ def serve(
             trust_request_chat_template,
             sanitize_special_tokens,
             tool_call_parser,
+            allowed_origins=allowed_origins,
+            allowed_hosts=[host, *allowed_hosts],
         )
         serving = app.state.server
         seqs = c.resolved(on_cuda=False).max_num_seqs  # the device does not change it

@@ -87,7 +87,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         shutdown_timeout=args.shutdown_timeout,
         exit_on_engine_death=args.exit_on_engine_death,
+        allowed_origins=_names(args.allowed_origins),
+        allowed_hosts=_names(args.allowed_hosts),
     )
+
+
+def _names(flag: str) -> list[str]:
+    return [name.strip() for name in flag.split(",") if name.strip()]
 
 
 def add_serve_parser(sub) -> None:
@@ -133,8 +139,23 @@ def add_serve_parser(sub) -> None:
     serve.add_argument(
         "--sanitize-special-tokens",
         action="store_true",
-        help="remove special-token strings (e.g. <|im_start|>) from chat message content, so that a user "
-        "cannot type role markers; default: kept, as vLLM does",
+        help="remove special-token strings (e.g. <|im_start|>) from every string a request gives the chat "
+        "template (contents, tool calls and definitions, chat_template_kwargs), so that a user cannot type "
+        "role markers; default: kept, as vLLM does",
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        default="",
+        metavar="ORIGIN[,ORIGIN...]",
+        help="web pages (e.g. http://localhost:3000) whose requests are answered, with CORS headers; '*' "
+        "allows any; default: none, so a request carrying an Origin header is a 403",
+    )
+    serve.add_argument(
+        "--allowed-hosts",
+        default="",
+        metavar="NAME[,NAME...]",
+        help="Host names the server answers to besides IP addresses, localhost and --host (DNS-rebinding "
+        "protection, only without --api-key); '*' allows any",
     )
     serve.add_argument(
         "--tool-call-parser",

@@ -5,11 +5,15 @@ cost: counts and sizes first, then tokenizing (server/serving.py), then the engi
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 from collections.abc import Callable
+from typing import Any
 
 from engine import structured_output
 from engine.errors import EngineOverloadedError
 from engine.params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutputsParams
+from engine.processes import lower_thread_priority
 from server.errors import APIError, as_api_error, bad_param, short
 from server.protocol import _SamplingRequest
 
@@ -96,6 +100,36 @@ def structured_param(b: _SamplingRequest) -> str:
     """The body field a constraint came from, for the error that refuses it."""
     rf = b.response_format
     return "structured_outputs" if rf is None or rf.type == "text" else "response_format"
+
+
+LARGE_BODY = 64 << 10  # bytes: a request body this large is tokenized on the large lane
+SMALL_LANE_BYTES = 16 << 20  # bodies whose work may wait for the small lane at once
+
+
+class Lane:
+    """One worker thread, and the bytes of the request bodies whose work waits for it or runs on it: past
+    `limit` a request is refused (429) before it queues, unless the lane is idle. A `background` lane's
+    thread runs at the lowest CPU priority: where cores are few, the model's threads go first."""
+
+    def __init__(self, name: str, limit: int, background: bool = False) -> None:
+        start = lower_thread_priority if background else None
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name, initializer=start)
+        self.limit, self.pending = limit, 0
+
+    async def run(self, fn: Callable[..., Any], args: tuple, size: int) -> Any:
+        if self.pending and self.pending + size > self.limit:
+            raise APIError(
+                429,
+                f"{self.pending} bytes of requests are waiting to be tokenized; retry later",
+                type="rate_limit_error",
+                code="too_many_requests",
+                headers={"Retry-After": "1"},
+            )
+        self.pending += size
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        finally:
+            self.pending -= size
 
 
 class RequestLimits:
@@ -233,7 +267,7 @@ class RequestLimits:
                     "logprobs",
                 )
         try:
-            self.check_capacity(prompts)
+            self.check_capacity(prompts * params.n)
         except EngineOverloadedError as e:
             raise as_api_error(e, "") from None
 

@@ -11,8 +11,8 @@ which frees its KV blocks and stops computing it.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
+import contextvars
 import functools
 import json
 import logging
@@ -29,10 +29,11 @@ from engine.input_processor import PreparedRequest
 from engine.outputs import RequestOutput
 from engine.params import SamplingParams
 from server.errors import APIError, as_api_error, bad_param, encode, short, validation_error
-from server.limits import RequestLimits
+from server.limits import LARGE_BODY, SMALL_LANE_BYTES, Lane, RequestLimits
 from server.logprobs import TokenStrings
 from server.metrics import RequestTracker, ServerMetrics
 from server.protocol import ChatMessage, ToolCall, UsageInfo
+from server.sanitize import sanitized
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 BODY_TIMEOUT_S = 30.0  # to receive a whole request body
@@ -48,6 +49,9 @@ logger = logging.getLogger("kiln.server")
 @functools.cache
 def _field_names(cls: type) -> frozenset[str]:
     return frozenset(f.encode_name for f in msgspec.structs.fields(cls))
+
+
+_body_bytes: contextvars.ContextVar[int] = contextvars.ContextVar("body_bytes", default=0)  # this request's
 
 
 class Disconnected(Exception):
@@ -150,9 +154,10 @@ class Serving:
             llm.check_capacity,
             trust_request_chat_template,
         )
-        # Tokenizing and chat templates run on this thread, off the event loop; one thread, so the
-        # tokenizer is never used from two at once (HF fast tokenizers are not safe for that).
-        self.cpu = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kiln-tokenize")
+        # Tokenizing, chat templates and grammar checks run off the event loop, on two lanes: bodies from
+        # LARGE_BODY bytes on one, smaller ones on the other, so that huge prompts never hold up the rest.
+        large = Lane("kiln-tokenize-large", 4 * max_body_bytes, background=True)
+        self.lanes = (Lane("kiln-tokenize", SMALL_LANE_BYTES), large)
         self.model_name: str = llm.model_name
         self.metrics = ServerMetrics(self.model_name)
         self.tokens = TokenStrings(llm.tokenizer)
@@ -186,6 +191,7 @@ class Serving:
             ) from None
         if too_large:
             raise self._too_large()
+        _body_bytes.set(size)
         try:
             raw = b"".join(chunks)
             body = _decoder(cls).decode(raw)
@@ -218,8 +224,10 @@ class Serving:
         )
 
     async def offload(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(*args)` on the tokenizing thread: streams keep flowing while a long prompt is tokenized."""
-        return await asyncio.get_running_loop().run_in_executor(self.cpu, fn, *args)
+        """`fn(*args)` on the lane for this request's body size (429 when that lane's queue is full): streams
+        keep flowing while a long prompt is tokenized."""
+        size = _body_bytes.get()
+        return await self.lanes[size >= LARGE_BODY].run(fn, args, size)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         try:
@@ -271,14 +279,13 @@ class Serving:
                 if role != "assistant":
                     raise APIError(400, f"messages[{i}].content is required", f"messages[{i}].content")
                 content = ""
-            for special in self.special_strings:
-                content = content.replace(special, "")
             message: dict[str, Any] = {"role": role, "content": content}
             if role == "tool" and msg.tool_call_id is not None:
                 message["tool_call_id"] = msg.tool_call_id
             if role == "assistant" and msg.tool_calls:
                 message["tool_calls"] = [template_call(c) for c in msg.tool_calls]
             conversation.append(message)
+        conversation, kwargs = sanitized(conversation, kwargs, self.special_strings)
         try:
             return self.llm.chat_prompt(conversation, add_generation_prompt, kwargs)
         except InvalidRequestError as e:
@@ -289,9 +296,14 @@ class Serving:
                 400, f"could not apply the chat template to these {param}: {type(e).__name__}: {e}", param
             ) from None
 
-    def generate(self, request: PreparedRequest) -> AsyncIterator[RequestOutput]:
-        """Admit `request` now: a full engine is this response's 429, not an error inside its stream."""
-        return self._tracked(request, self.llm.add(request))
+    def generate_all(self, requests: list[PreparedRequest], stream=False) -> list[AsyncIterator]:
+        """Admit every one of `requests` or none: a full engine refuses the lot, leaving no stream behind."""
+        self.llm.check_capacity(*(sum(c) for c in zip(*(r.cost for r in requests))))
+        return [self.generate(r, stream) for r in requests]
+
+    def generate(self, request: PreparedRequest, stream: bool = False) -> AsyncIterator[RequestOutput]:
+        """Admit `request` now: a full engine is a 429, not an error in a stream (which keeps no logprobs)."""
+        return self._tracked(request, self.llm.add(request, keep_logprobs=not stream))
 
     async def _tracked(
         self, request: PreparedRequest, stream: AsyncIterator[RequestOutput]

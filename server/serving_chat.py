@@ -14,8 +14,8 @@ from starlette.responses import Response
 
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.params import SamplingParams
-from server import tools
-from server.errors import APIError, json_response
+from server import replies, tools
+from server.errors import APIError
 from server.limits import MAX_LOGPROBS, structured_param
 from server.protocol import (
     ChatChoice,
@@ -60,7 +60,8 @@ class ChatServing:
         run = await self.start(b, f"chatcmpl-{uuid.uuid4().hex}")
         if b.stream:
             return self.s.sse(self.chunks(run, usage_options(b.stream_options)))
-        return json_response(await self.complete(request, run))
+        final = await self.finish(request, run)
+        return await replies.respond(self.size(run, final), self.reply, run, final)
 
     async def start(self, b: ChatCompletionRequest, rid: str) -> ChatRun:
         """Check `b` (400s name its fields), render its prompt and admit it to the engine as `rid`: a full
@@ -95,13 +96,26 @@ class ChatServing:
         add_generation_prompt = b.add_generation_prompt is not False and not b.continue_final_message
         ids = await s.offload(s.chat_ids, b.messages, add_generation_prompt, kwargs or None)
         prompt = PromptIds(None, ids)
-        gen = s.generate(s.prepare(rid, prompt.ids, params, b.cache_salt))
+        gen = s.generate(s.prepare(rid, prompt.ids, params, b.cache_salt), bool(b.stream))
         return ChatRun(b, rid, int(time.time()), prompt, params, gen, plan)
 
     async def complete(self, request: Request, run: ChatRun) -> ChatCompletionResponse:
         """The whole reply; its generation is cancelled (so aborted) if the client leaves first."""
+        final = await self.finish(request, run)
+        return await replies.build(self.size(run, final), self.reply, run, final)
+
+    async def finish(self, request: Request, run: ChatRun) -> RequestOutput:
+        (final,) = await self.s.until_disconnected(request, self.s.collect([run.gen]))
+        return final
+
+    @staticmethod
+    def size(run: ChatRun, final: RequestOutput) -> int:
+        shown = bool(run.body.return_token_ids) or run.params.prompt_logprobs is not None
+        return replies.size([final], run.params.logprobs, shown)
+
+    def reply(self, run: ChatRun, final: RequestOutput) -> ChatCompletionResponse:
+        """The reply not streamed (built off the event loop when large: server/replies.py)."""
         s, b, plan, prompt, logprobs = self.s, run.body, run.plan, run.prompt, run.params.logprobs
-        (final,) = await s.until_disconnected(request, s.collect([run.gen]))
         choices = []
         for c in final.outputs:
             lps = None if logprobs is None else s.tokens.chat_logprobs(c.token_ids, c.logprobs or [])
@@ -149,7 +163,8 @@ class ChatServing:
         token_ids = bool(run.body.return_token_ids)
         include_usage, continuous_usage = usage
         parsing = plan is not None and plan.parser is not None
-        sent: dict[int, tuple[int, int]] = {}  # choice index -> (content characters, calls) sent so far
+        readers: dict[int, tools.ToolStream] = {}  # choice index -> its text's reader
+        calls_sent: dict[int, int] = {}  # choice index -> calls sent so far
 
         chunk = functools.partial(
             ChatCompletionChunk,
@@ -165,21 +180,21 @@ class ChatServing:
                 logprobs = s.tokens.chat_logprobs(c.delta_token_ids, c.delta_logprobs)
             text, calls, finish_reason = c.delta_text, None, c.finish_reason
             if parsing:  # the text of a call still being written is held until the call is whole
-                parsed = plan.parse(c.text, final=c.finished)
-                chars, num_calls = sent.get(index, (0, 0))
-                text = parsed.content[chars:]
+                if (reader := readers.get(index)) is None:
+                    reader = readers[index] = plan.stream()
+                parsed = reader.feed(c.text, final=c.finished)
+                text, sent = parsed.content, calls_sent.get(index, 0)
                 calls = [
                     DeltaToolCall(
-                        index=k,
+                        index=sent + k,
                         id=tools.call_id(),
                         type="function",
                         function=DeltaFunctionCall(name=name, arguments=arguments),
                     )
                     for k, (name, arguments) in enumerate(parsed.calls)
-                    if k >= num_calls
                 ] or None
-                sent[index] = (len(parsed.content), len(parsed.calls))
-                if parsed.calls and finish_reason == "stop":
+                calls_sent[index] = sent + len(parsed.calls)
+                if calls_sent[index] and finish_reason == "stop":
                     finish_reason = "tool_calls"
             if not has_news(c, text, logprobs, token_ids) and not calls:
                 return None

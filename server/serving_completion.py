@@ -7,17 +7,19 @@ import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from engine.messages import TokenLogprobs
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.params import SamplingParams
-from server.errors import APIError, json_response
+from server import replies
+from server.errors import APIError
 from server.limits import structured_param
-from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from server.serving import PromptIds, Serving
 from server.streaming import ChoiceStream, has_news, usage_options
 
@@ -57,6 +59,24 @@ def parse_prompts(tokenize: Callable[[str], list[int]], prompt: Any, param: str)
     )
 
 
+class Echo(NamedTuple):
+    """A streamed choice's echoed prompt: its text, its tokens' logprobs (when asked for) and the text
+    offset of the first token after it."""
+
+    text: str
+    logprobs: CompletionLogprobs | None
+    offset: int
+
+
+def _joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        tokens=a.tokens + b.tokens,
+        token_logprobs=a.token_logprobs + b.token_logprobs,
+        top_logprobs=a.top_logprobs + b.top_logprobs,
+        text_offset=a.text_offset + b.text_offset,
+    )
+
+
 class CompletionServing:
     def __init__(self, serving: Serving) -> None:
         self.s = serving
@@ -75,7 +95,7 @@ class CompletionServing:
         rid = f"cmpl-{uuid.uuid4().hex}"
         ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
         prepared = [s.prepare(r, p.ids, params, b.cache_salt) for r, p in zip(ids, prompts)]
-        gens = [s.generate(p) for p in prepared]
+        gens = s.generate_all(prepared, bool(b.stream))
         body = functools.partial(
             CompletionResponse, id=rid, object="text_completion", created=int(time.time()), model=s.model_name
         )
@@ -84,10 +104,24 @@ class CompletionServing:
             echo, token_ids = bool(b.echo), bool(b.return_token_ids)
             return s.sse(self.chunks(body, prompts, params, gens, echo, echo_only, usage, token_ids))
         finals = await s.until_disconnected(request, s.collect(gens))
-        choices = []
+        shown = bool(b.echo or b.return_token_ids or b.prompt_logprobs is not None)
+        entries = replies.size(finals, params.logprobs, shown)
+        return await replies.respond(entries, self.whole, b, body, prompts, finals, params, echo_only)
+
+    def whole(
+        self,
+        b: CompletionRequest,
+        body: Callable[..., CompletionResponse],
+        prompts: list[PromptIds],
+        finals: list[RequestOutput],
+        params: SamplingParams,
+        echo_only: bool,
+    ) -> CompletionResponse:
+        """The reply not streamed (built off the event loop when large: server/replies.py)."""
+        s, choices = self.s, []
         for i, (p, final) in enumerate(zip(prompts, finals)):
+            prefix = self.echo_text(p) if b.echo else ""
             for c in final.outputs:
-                prefix = self.echo_text(p) if b.echo else ""
                 if echo_only:
                     c.text, c.token_ids, c.logprobs = "", [], [] if c.logprobs is not None else None
                 logprobs = None
@@ -112,10 +146,16 @@ class CompletionServing:
                     )
                 choices.append(choice)
         usage = s.usage(prompts, generated=0) if echo_only else s.usage(prompts, finals)
-        return json_response(body(choices=choices, usage=usage))
+        return body(choices=choices, usage=usage)
 
     def echo_text(self, p: PromptIds) -> str:
         return p.text if p.text is not None else self.s.llm.tokenizer.decode(p.ids)
+
+    def echo(self, p: PromptIds, prompt_logprobs: list[TokenLogprobs | None] | None) -> Echo:
+        text = self.echo_text(p)
+        if prompt_logprobs is None:
+            return Echo(text, None, len(text))
+        return Echo(text, *self.s.tokens.completion_logprobs(p.ids, prompt_logprobs, 0))
 
     async def chunks(
         self,
@@ -132,28 +172,31 @@ class CompletionServing:
         include_usage, continuous_usage = usage
         started: set[int] = set()
         offsets: dict[int, int] = {}  # text offset of each choice's next logprob
-        prompt_logprobs: dict[int, list] = {}  # prompt index -> its logprobs (with its first output)
+        echoes: dict[int, Echo] = {}  # prompt index -> its echo, made once its first output is in
 
-        async def noting_prompt_logprobs(i: int, gen: AsyncIterator[RequestOutput]):
+        async def echoing(i: int, gen: AsyncIterator[RequestOutput]):
+            """The prompt's echo made before its first output goes on, off the event loop when large: with
+            logprobs it holds up to max_model_len x (logprobs + 1) entries."""
             async with contextlib.aclosing(gen):  # type: ignore[type-var]
                 async for out in gen:
-                    if out.prompt_logprobs is not None:
-                        prompt_logprobs.setdefault(i, out.prompt_logprobs)
+                    if i not in echoes:
+                        entries = len(prompts[i].ids) * ((params.prompt_logprobs or 0) + 1)
+                        echoes[i] = await replies.build(entries, self.echo, prompts[i], out.prompt_logprobs)
                     yield out
 
         def choice(i: int, index: int, c: CompletionOutput) -> CompletionChoice | None:
             if echo_only:
                 c.delta_text, c.delta_token_ids, c.delta_logprobs = "", [], []
-            text, first = c.delta_text, index not in started
-            ids, lps = c.delta_token_ids, c.delta_logprobs
+            text, first, echoed = c.delta_text, index not in started, None
             if first:
-                prefix = self.echo_text(prompts[i]) if echo else ""
-                text, offsets[index] = prefix + text, len(prefix)
-                if i in prompt_logprobs:
-                    ids, lps, offsets[index] = prompts[i].ids + ids, prompt_logprobs[i] + lps, 0
+                prefix, echoed, offsets[index] = echoes[i] if echo else ("", None, 0)
+                text = prefix + text
             logprobs = None
-            if params.logprobs is not None and ids:
+            if params.logprobs is not None and (c.delta_token_ids or echoed is not None):
+                ids, lps = c.delta_token_ids, c.delta_logprobs
                 logprobs, offsets[index] = s.tokens.completion_logprobs(ids, lps, offsets[index])
+                if echoed is not None:
+                    logprobs = _joined(echoed, logprobs)
             if not has_news(c, text, logprobs, token_ids):
                 return None  # the echo goes out with the first chunk actually sent
             started.add(index)
@@ -167,8 +210,8 @@ class CompletionServing:
                 token_ids=c.delta_token_ids if token_ids else msgspec.UNSET,
             )
 
-        if params.prompt_logprobs is not None:
-            gens = [noting_prompt_logprobs(i, g) for i, g in enumerate(gens)]
+        if echo:
+            gens = [echoing(i, g) for i, g in enumerate(gens)]
         stream = ChoiceStream(gens, params.n, choice)
 
         def usage_now():

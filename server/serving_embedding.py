@@ -39,7 +39,7 @@ class EmbeddingServing:
         prompts = await s.offload(parse_prompts, s.tokenize, b.input, "input")
         rid = f"embd-{uuid.uuid4().hex}"
         prepared = [s.prepare(f"{rid}-{i}", p.ids, params, b.cache_salt) for i, p in enumerate(prompts)]
-        finals = await s.until_disconnected(request, s.collect([s.generate(p) for p in prepared]))
+        finals = await s.until_disconnected(request, s.collect(s.generate_all(prepared)))
         if any(f.embedding is None for f in finals):  # aborted in the engine (it is shutting down)
             raise APIError(503, "the engine ended the request before its embedding was computed")
         data = [

@@ -46,11 +46,20 @@ def _call(obj: dict | None, arguments_key: str) -> Call | None:
 
 @dataclass
 class Parsed:
-    """Content before, between and after the calls (while streaming: only what no later token can turn
-    into a call), and the calls complete so far. Both only grow as the text does."""
+    """Content before, between and after calls (while streaming: only what no later token can turn into a
+    call), and the calls complete. From `parse`, all of them; from a stream's `feed`, what is new."""
 
     content: str
     calls: list[Call] = field(default_factory=list)
+
+
+class ToolStream:
+    """One reply's text read as it grows. `feed` takes the whole text so far and returns what is new
+    since the last feed; it reads only the text it has not settled yet, so a long streamed reply costs
+    O(length) overall, not a parse of everything so far per chunk."""
+
+    def feed(self, text: str, final: bool) -> Parsed:
+        raise NotImplementedError
 
 
 class ToolParser:
@@ -58,8 +67,11 @@ class ToolParser:
 
     name = ""
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def stream(self) -> ToolStream:
         raise NotImplementedError
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        return self.stream().feed(text, final)
 
 
 class HermesParser(ToolParser):
@@ -68,24 +80,41 @@ class HermesParser(ToolParser):
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def parse(self, text: str, final: bool) -> Parsed:
-        out, pos = Parsed(""), 0
-        while (start := text.find(self.OPEN, pos)) != -1:
-            out.content += text[pos:start]
-            end = text.find(self.CLOSE, start)
-            if end == -1 and not final:
-                return out  # a call still being written
-            pos = len(text) if end == -1 else end + len(self.CLOSE)
-            call = _call(_object_at(text, start + len(self.OPEN))[0], "arguments")
+    def stream(self) -> ToolStream:
+        return _HermesStream()
+
+
+class _HermesStream(ToolStream):
+    def __init__(self) -> None:
+        self.pos = 0  # the text before it is settled: sent as content, or read as calls
+        self.open: int | None = None  # where the call still being written opens
+        self.scan = 0  # where its closing tag may start
+
+    def feed(self, text: str, final: bool) -> Parsed:
+        out, tags = Parsed(""), HermesParser
+        while True:
+            if self.open is None:
+                start = text.find(tags.OPEN, self.pos)
+                if start == -1:
+                    end = len(text)
+                    if not final:  # hold back what may be the start of an opening tag
+                        end -= _partial_suffix(text, tags.OPEN, self.pos)
+                    out.content += text[self.pos : end]
+                    self.pos = end
+                    return out
+                out.content += text[self.pos : start]
+                self.open, self.scan = start, start + len(tags.OPEN)
+            end = text.find(tags.CLOSE, self.scan)
+            if end == -1 and not final:  # a call still being written
+                self.scan = max(self.scan, len(text) - len(tags.CLOSE) + 1)
+                return out
+            start, self.open = self.open, None
+            self.pos = len(text) if end == -1 else end + len(tags.CLOSE)
+            call = _call(_object_at(text, start + len(tags.OPEN))[0], "arguments")
             if call is None:
-                out.content += text[start:pos]
+                out.content += text[start : self.pos]
             else:
                 out.calls.append(call)
-        tail = text[pos:]
-        if not final:  # hold back what may be the start of an opening tag
-            tail = tail[: len(tail) - _partial_suffix(tail, self.OPEN)]
-        out.content += tail
-        return out
 
 
 class Llama3JsonParser(ToolParser):
@@ -95,29 +124,86 @@ class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     TAG = "<|python_tag|>"
 
-    def parse(self, text: str, final: bool) -> Parsed:
-        body = text.lstrip().removeprefix(self.TAG).lstrip()
-        if not body:
-            return Parsed(text if final else "")
-        if not body.startswith("{"):
-            if not final and (self.TAG.startswith(body) or not text.strip()):
-                return Parsed("")
-            return Parsed(text)
-        out, pos = Parsed(""), 0
-        while True:
-            obj, end = _object_at(body, pos)
-            call = _call(obj, "parameters")
-            if call is None:
+    def stream(self) -> ToolStream:
+        return _Llama3Stream()
+
+
+_SPACE = re.compile(r"\s*")
+_SEPARATORS = re.compile(r"[\s;]*")
+_JSON_MARKS = re.compile(r'[][{}"\\]')
+
+
+class _Llama3Stream(ToolStream):
+    def __init__(self) -> None:
+        self.mode = ""  # "": undecided yet; "content"; "calls"
+        self.skip, self.tagged = 0, False  # undecided: the whitespace (and tag) read so far
+        self.sent = 0  # content: the characters sent
+        self.pos = 0  # calls: where the next call may start (past the calls read, and separators)
+        self.found, self.stopped = 0, False  # calls read; text that is no call follows them
+        self.scan, self.depth, self.in_string = 0, 0, False  # the object being written
+
+    def feed(self, text: str, final: bool) -> Parsed:
+        tag = Llama3JsonParser.TAG
+        if not self.mode:
+            i = self.skip = _SPACE.match(text, self.skip).end()
+            if not self.tagged and text.startswith(tag, i):
+                self.tagged = True
+                i = self.skip = _SPACE.match(text, i + len(tag)).end()
+            if i == len(text):  # nothing yet but whitespace and the tag
+                return Parsed(text if final else "")
+            if not final and len(text) - i <= len(tag) and tag.startswith(text[i:]):
+                return Parsed("")  # maybe the tag, still being written
+            self.mode, self.pos = ("calls", i) if text[i] == "{" else ("content", 0)
+            self.scan = self.pos
+        if self.mode == "content":
+            out, self.sent = Parsed(text[self.sent :]), len(text)
+            return out
+        out = Parsed("")
+        while not self.stopped:
+            if self.scan == self.pos:  # between calls: separators, then another call or the end of them
+                self.pos = self.scan = _SEPARATORS.match(text, self.pos).end()
+                if self.pos == len(text):
+                    break
+                self.stopped = text[self.pos] != "{"
+                self.depth, self.in_string = 0, False
+            if self.stopped or not self._object_read(text):
                 break
-            out.calls.append(call)
-            pos = end
-            while pos < len(body) and (body[pos].isspace() or body[pos] == ";"):
-                pos += 1
-        if final and not out.calls:
-            return Parsed(text)  # not a call after all: the reply is content
-        if final:
-            out.content = body[pos:]  # words after the calls
+            obj, end = _object_at(text, self.pos)
+            call = _call(obj, "parameters")
+            self.stopped = call is None
+            if call is not None:
+                out.calls.append(call)
+                self.found += 1
+                self.pos = self.scan = end
+        if final:  # words after the calls; without calls, the reply is content after all
+            out.content = text[self.pos :] if self.found else text
         return out
+
+    def _object_read(self, text: str) -> bool:
+        """Whether the object at `pos` is all there: its brackets are counted (outside strings) from where
+        the last feed left off, so each character is read once."""
+        i = self.scan
+        while (m := _JSON_MARKS.search(text, i)) is not None:
+            mark, i = m.group(), m.end()
+            if self.in_string:
+                if mark == "\\":
+                    if i == len(text):  # what it escapes is still to come
+                        self.scan = i - 1
+                        return False
+                    i += 1
+                elif mark == '"':
+                    self.in_string = False
+            elif mark == '"':
+                self.in_string = True
+            elif mark in "{[":
+                self.depth += 1
+            else:
+                self.depth -= 1
+                if self.depth <= 0:
+                    self.scan = i
+                    return True
+        self.scan = len(text)
+        return False
 
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser)}
@@ -133,18 +219,23 @@ def default_parser(chat_template: str | None) -> str | None:
     return None
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that begins `tag` (a tag whose rest may still arrive)."""
-    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:k])), 0)
+def _partial_suffix(text: str, tag: str, start: int = 0) -> int:
+    """Length of the longest end of `text[start:]` that begins `tag` (a tag whose rest may still arrive)."""
+    longest = min(len(tag) - 1, len(text) - start)
+    return next((k for k in range(longest, 0, -1) if text.endswith(tag[:k])), 0)
 
 
-class _ForcedParser(ToolParser):
-    """`required`: a JSON array of {"name", "parameters"}; a named tool: its arguments object alone."""
+class _ForcedParser(ToolParser, ToolStream):
+    """`required`: a JSON array of {"name", "parameters"}; a named tool: its arguments object alone. Read
+    once, whole: nothing is sent before the output ends."""
 
     def __init__(self, named: str | None) -> None:
         self.named = named
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def stream(self) -> ToolStream:
+        return self
+
+    def feed(self, text: str, final: bool) -> Parsed:
         if not final:
             return Parsed("")
         if self.named is not None:
@@ -166,9 +257,23 @@ class ToolPlan:
     parallel: bool
 
     def parse(self, text: str, final: bool) -> Parsed:
-        parsed = self.parser.parse(text, final)
-        if not self.parallel:
-            parsed.calls = parsed.calls[:1]
+        return self.stream().feed(text, final)
+
+    def stream(self) -> ToolStream:
+        """A reader of one choice's text as it streams."""
+        return self.parser.stream() if self.parallel else _FirstCall(self.parser.stream())
+
+
+class _FirstCall(ToolStream):
+    """Calls after the first left out (`parallel_tool_calls` false)."""
+
+    def __init__(self, inner: ToolStream) -> None:
+        self.inner, self.room = inner, 1
+
+    def feed(self, text: str, final: bool) -> Parsed:
+        parsed = self.inner.feed(text, final)
+        parsed.calls = parsed.calls[: self.room]
+        self.room -= len(parsed.calls)
         return parsed
 
 

@@ -69,3 +69,34 @@ def test_text_that_could_start_a_stop_string_is_held_back(tokenizer):
     detok.update(tokenizer.encode(" fine EN"))
     visible = detok.text[: detok.emittable(False)]
     assert not visible.endswith("EN") and detok.text.endswith("EN")
+
+
+class CountingTokenizer:
+    """ByteTokenizer that counts the token ids it is asked to decode."""
+
+    def __init__(self) -> None:
+        from tests.test_server_app import ByteTokenizer
+
+        self.inner, self.decoded = ByteTokenizer(), 0
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        self.decoded += len(ids)
+        return self.inner.decode(ids, skip_special_tokens)
+
+
+@pytest.mark.parametrize("token", [256, 0x80], ids=["skipped special", "byte that starts no character"])
+def test_tokens_that_add_no_whole_character_cost_a_bounded_decode_each(token):
+    """A long run of tokens adding no text (or only an incomplete character) costs O(1) decoding each, not
+    a decode of the whole run so far each: O(L) over the sequence, not O(L^2)."""
+    tok = CountingTokenizer()
+    detok = IncrementalDetokenizer(tok, list(b"Say:"), SamplingParams())
+    run = 2000
+    for _ in range(run):
+        detok.update([token])
+    detok.update(list(b" done"))
+    assert tok.decoded < 40 * (run + 5), tok.decoded
+    assert detok.text.endswith(" done")
+    if token == 0x80:  # bytes that never complete a character come out as U+FFFD, as a whole decode shows
+        assert detok.text == "\ufffd" * run + " done"
+    else:
+        assert detok.text == " done"

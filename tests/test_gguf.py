@@ -1,15 +1,21 @@
 """The default GGUF file: found without importing its package, and converted into an HF directory that
-holds what transformers' GGUF support makes of it."""
+holds what transformers' GGUF support makes of it, by one process at a time, leaving nothing behind."""
 
 import importlib.util
 import os
+import shutil
+import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from compiled import gguf
 from compiled.gguf import convert_gguf
 from compiled.models.llama import ModelArgs
 from engine.model_files import default_model_path, load_tokenizer
@@ -51,3 +57,62 @@ def test_the_default_gguf_converts_as_transformers_converts_it(tmp_path):
         chat, add_generation_prompt=True
     )
     assert (ours.bos_token_id, ours.eos_token_id) == (theirs.bos_token_id, theirs.eos_token_id)
+
+
+def _fake_conversion(calls: list, seconds: float = 0.0):
+    """What a conversion leaves: a temporary directory renamed into place once whole, or dropped if another
+    process renamed its own first."""
+
+    def convert(path, target):
+        calls.append(path)
+        time.sleep(seconds)
+        tmp = Path(target).with_name(Path(target).name + f".tmp{os.getpid()}-{len(calls)}")
+        tmp.mkdir(parents=True)
+        (tmp / "model.safetensors").write_bytes(b"weights")
+        try:
+            tmp.rename(target)
+        except OSError:
+            shutil.rmtree(tmp)
+
+    return convert
+
+
+def test_data_parallel_cores_starting_together_convert_a_file_once(tmp_path, monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(gguf, "_convert", _fake_conversion(calls, seconds=0.3))
+    target = tmp_path / "gguf" / "abc"
+    errors: list = []
+
+    def core() -> None:
+        try:
+            convert_gguf("model.gguf", str(target))
+        except Exception as e:
+            errors.append(e)
+
+    cores = [threading.Thread(target=core) for _ in range(3)]
+    for t in cores:
+        t.start()
+    for t in cores:
+        t.join(30)
+    assert errors == [] and calls == ["model.gguf"]
+    assert (target / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_a_conversion_removes_what_dead_conversions_left(tmp_path, monkeypatch):
+    monkeypatch.setattr(gguf, "_convert", _fake_conversion([]))
+    cache = tmp_path / "gguf"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        left = [cache / f"abc.tmp{dead.pid}", cache / f"abc.tmp{alive.pid}", cache / f"other.tmp{dead.pid}"]
+        for d in left:
+            d.mkdir(parents=True)
+            (d / "model.safetensors").write_bytes(b"half")
+        convert_gguf("model.gguf", str(cache / "abc"))
+        # Another file's leftovers wait for that file's own conversion, under its own lock.
+        assert [d.exists() for d in left] == [False, True, True]
+        assert (cache / "abc" / "model.safetensors").exists()
+    finally:
+        alive.kill()
+        alive.wait()

@@ -166,6 +166,30 @@ def test_a_request_id_equal_to_another_requests_sample_id_is_refused():
     assert set(outputs.core_to_request) == {"x#0", "x#1", "y#1"}
 
 
+def test_a_requests_samples_share_one_prompt_and_constraint_on_the_wire():
+    import msgspec
+
+    from engine.params import StructuredOutputsParams
+
+    tok = ByteTokenizer()
+    schema = {"type": "object", "properties": {f"f{i}": {"type": "string"} for i in range(2000)}}
+    params = SamplingParams(n=64, seed=5, structured_outputs=StructuredOutputsParams(json=schema))
+    prepared = InputProcessor(tok, 64, [EOS], len(tok)).process("r", "hello", params, 0.0)
+    wire = msgspec.msgpack.encode(prepared.core_request)
+    assert len(wire) < 1.1 * len(msgspec.msgpack.encode(schema))  # once, not 64 times
+    samples = msgspec.msgpack.decode(wire, type=type(prepared.core_request)).samples()
+    assert (
+        [s.request_id for s in samples] == [f"r#{i}" for i in range(64)] == prepared.core_request.sample_ids()
+    )
+    assert [s.sampling_params.seed for s in samples] == list(range(5, 69))
+    assert all(s.prompt_token_ids is samples[0].prompt_token_ids for s in samples)
+    assert prepared.cost == (
+        64,
+        64 * len(prepared.prompt_token_ids),
+        len(msgspec.json.encode(params.structured_outputs)),
+    )
+
+
 def test_a_kv_cache_smaller_than_one_sequence_is_refused_at_start(tiny_chat_model):
     with pytest.raises(EngineDeadError, match=r"holds 448 tokens \(7 blocks of 64\), fewer than one"):
         LLM(tiny_chat_model, dtype="float32", enforce_eager=True, num_kv_blocks=8, max_model_len=512)
@@ -355,3 +379,52 @@ def test_a_big_step_is_detokenized_in_chunks_between_which_the_loop_runs(async_e
     between = "".join("t" if e == "tick" else "c" for e in events)
     assert "ctc" in between.replace("tt", "t"), between  # the loop ran between every two chunks
     assert between.count("cc") == 0, between
+
+
+def test_sends_to_a_core_whose_inbox_is_full_never_freeze_the_event_loop(monkeypatch):
+    """Past what a core's inbox holds (here: one that has not connected yet), a send returns at once and
+    its message follows the ones before it once the core takes them; the loop never waits on the core."""
+    import socket
+    import time
+
+    import msgspec
+    import zmq
+    import zmq.asyncio
+
+    from engine import core_client
+    from engine import messages as m
+    from engine.config import EngineConfig
+
+    for port in range(23000, 24000, 2):  # the core's input port, and its output port after it
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        break
+    deadline = time.monotonic() + 5  # a send that waits for room would wait until the core is gone
+    gone = lambda _: "gone" if time.monotonic() > deadline else None  # noqa: E731
+    monkeypatch.setattr(core_client.RemoteCore, "gone", gone)
+    count = 1500  # past the 1,000 messages a socket queues
+
+    async def go():
+        client = core_client.AsyncCoreClient(EngineConfig(engine_core_addresses=f"tcp://127.0.0.1:{port}"))
+        client.ready = object()  # past the start, whose sends wait for room
+        try:
+            start = time.monotonic()
+            for i in range(count):
+                client.send(client.cores[0], m.AbortRequests([str(i)]))
+            took = time.monotonic() - start
+            inbox = zmq.asyncio.Socket.from_socket(client.ctx.socket(zmq.PULL))
+            inbox.bind(f"tcp://127.0.0.1:{port}")  # the core starts taking messages
+            decoder, got = msgspec.msgpack.Decoder(m.CoreInput), []
+            while len(got) < count and await inbox.poll(2000):
+                got += decoder.decode(await inbox.recv()).request_ids
+            return took, got
+        finally:
+            client.shutdown()
+
+    took, got = in_thread(go, timeout=30)
+    assert took < 1.0, f"{count} sends held the event loop for {took:.1f} s"
+    assert got == [str(i) for i in range(count)]

@@ -80,10 +80,10 @@ def test_samples_wait_for_the_prompt_logprobs_their_first_output_carries(smollm2
     )
     processor = OutputProcessor(tok)
     processor.add_request(prepared)
-    assert processor.process_outputs([EngineCoreOutput("r#1", [9])]) == ([], [])
+    assert processor.process_outputs([EngineCoreOutput("r#1", [9])]) == ([], [], {})
     prompt_lps = [None, (-1.0, []), (-2.0, [])]
-    (out,), _ = processor.process_outputs([EngineCoreOutput("r#0", [8], prompt_logprobs=prompt_lps)])
+    (out,), _, _ = processor.process_outputs([EngineCoreOutput("r#0", [8], prompt_logprobs=prompt_lps)])
     assert out.prompt_logprobs == prompt_lps
     assert [c.delta_token_ids for c in out.outputs] == [[8], [9]]  # the held token comes along
-    (out,), _ = processor.process_outputs([EngineCoreOutput("r#1", [10], finish_reason="length")])
+    (out,), _, _ = processor.process_outputs([EngineCoreOutput("r#1", [10], finish_reason="length")])
     assert [c.delta_token_ids for c in out.outputs] == [[], [10]]

@@ -341,7 +341,9 @@ BODY = st.fixed_dictionaries(
 @given(body=BODY)
 def test_random_bodies_never_500(body):
     with TestClient(build_app(FakeLLM()), raise_server_exceptions=False) as c:
-        r = c.post("/v1/responses", content=msgspec.json.encode(body))
+        r = c.post(
+            "/v1/responses", content=msgspec.json.encode(body), headers={"Content-Type": "application/json"}
+        )
         if r.headers.get("content-type", "").startswith("text/event-stream"):
             assert "event: error" not in r.text and "event: response." in r.text, r.text
         else:

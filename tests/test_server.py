@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from server.bench import soak
 from server.bench.serve import launch
 from tests.conftest import engine_core_of
-from tests.test_server_app import METRIC_NAMES, ROUTES, assert_error, check_response
+from tests.test_server_app import JSON, METRIC_NAMES, ROUTES, assert_error, check_response
 
 pytestmark = pytest.mark.slow
 
@@ -522,7 +522,7 @@ def test_random_bodies_never_500(http, route, data):
     body = _cheap(data.draw(ROUTES[route]))
     if isinstance(body, dict) and body.get("model") == "fake-model":
         body["model"] = MODEL
-    check_response(http.post(route, content=msgspec.json.encode(body)))
+    check_response(http.post(route, content=msgspec.json.encode(body), headers=JSON))
 
 
 DEEP = b"[" * 5000 + b"]" * 5000
@@ -570,7 +570,7 @@ def test_bad_input_costs_a_greedy_stream_running_beside_it_nothing(http):
             body = _cheap(data.draw(ROUTES[route]))
             if isinstance(body, dict) and body.get("model") == "fake-model":
                 body["model"] = MODEL
-            check_response(http.post(route, content=msgspec.json.encode(body)))
+            check_response(http.post(route, content=msgspec.json.encode(body), headers=JSON))
         else:
             path, body = NASTY[nasty]
             check_response(http.post(path, json=body))
@@ -835,7 +835,9 @@ def test_engine_death_is_503_not_a_hang(server, http):
         r := httpx.get(server.url + "/health", timeout=15)
     ).status_code == 200 and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert "engine core" in assert_error(r, 503)["message"]
+    assert assert_error(r, 503)["message"] == "the engine core is unavailable"
     err = assert_error(http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}), 503)
     assert err["type"] == "server_error"
-    assert http.get("/metrics").status_code == 200
+    for path in ("/metrics", "/version", "/v1/models"):
+        assert_error(http.get(path), 503)
+    assert_error(http.post("/tokenize", json={"prompt": "hi"}), 503)

@@ -23,3 +23,19 @@ def test_a_server_soaked_by_misbehaving_clients_comes_back_whole(tiny_chat_model
 
 def outcomes_of(outcomes: dict[str, int], kind: str) -> int:
     return sum(n for k, n in outcomes.items() if k.split()[0] == kind)
+
+
+def test_the_attack_bench_measures_good_clients_beside_every_attack(tiny_chat_model, tmp_path):
+    from server.bench import attack
+
+    flags = ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory", "50000000"]
+    result = attack.run(tiny_chat_model, flags, duration_s=8, baseline_s=3, good=2, log=tmp_path / "log")
+    report = attack.format_report(result) + "\n" + (tmp_path / "log").read_text()[-3000:]
+    good = result["good"]
+    assert good["alone"]["completed"] > 0 and good["attacked"]["completed"] > 0, report
+    assert good["alone"]["failed"] == good["attacked"]["failed"] == 0, report
+    assert {k.split()[0] for k in result["attacks"]} == set(attack.ATTACKS), report
+    assert result["attacks"].get("browser 403", 0) > 0 and not any(
+        k.startswith("browser 2") for k in result["attacks"]
+    ), report
+    assert not any(result["gauges_after"].values()) and len(result["gauges_after"]) == 3, report

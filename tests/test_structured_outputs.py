@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from concurrent.futures import Future
 
 import jsonschema
@@ -206,7 +207,7 @@ def test_bad_constraint_is_refused_before_the_engine(llm):
 
 def test_a_grammar_error_ends_the_request(tiny_chat_model):
     manager = StructuredOutputManager(tiny_chat_model, 49152)
-    grammar = manager.grammar(S(choice=["yes"]), eos_token_id=2)
+    (grammar,) = manager.grammars(S(choice=["yes"]), eos_token_id=2)
     grammar.future.result(timeout=60)
     sched = Scheduler(SchedulerConfig(max_model_len=64, num_blocks=16, block_size=4), structured=manager)
     sched.add_request(Request("r", [5, 6], SamplingParams(), eos_token_id=2, grammar=grammar))
@@ -220,3 +221,24 @@ def test_a_grammar_error_ends_the_request(tiny_chat_model):
     # A matcher in error allows only EOS from then on.
     (row,) = manager.bitmask([grammar])
     assert allowed_tokens(torch.from_numpy(row[None]), 49152).nonzero()[:, 1].tolist() == [2]
+
+
+def test_grammar_work_is_bounded_cancelled_on_abort_and_timed_out(tiny_chat_model, monkeypatch):
+    from engine import structured_output
+
+    with pytest.raises(ValueError, match=r"structured_outputs\.choice: its grammar is \d+ bytes, past the"):
+        structured_output.check(S(choice=["x" * 1000] * 600))
+    manager = StructuredOutputManager(tiny_chat_model, 49152)
+    gate = threading.Event()
+    monkeypatch.setattr(manager, "_compile", lambda text, eos: gate.wait() and None)
+    try:
+        busy = [manager.grammars(S(choice=[f"busy{i}"]), 2)[0] for i in range(2)]  # both compile threads
+        queued = manager.grammars(S(choice=["queued"]), 2, n=2)
+        manager.release(queued[0])
+        assert not queued[1].future.cancelled()  # another sample still waits for it
+        manager.release(queued[1])
+        assert queued[1].future.cancelled() and len(manager.cache) == 2  # never compiled, nothing cached
+        monkeypatch.setattr(structured_output, "COMPILE_TIMEOUT_S", 0.0)
+        assert busy[0].ready and "did not compile within" in busy[0].error
+    finally:
+        gate.set()

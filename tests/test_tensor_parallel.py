@@ -261,3 +261,30 @@ def test_shared_memory_all_reduce_sums_every_rank_equally(tmp_path):
     for parts, got0, got1 in zip(calls, *results):
         expected = (parts[0].float() + parts[1].float()).to(parts[0].dtype)
         assert got0.dtype == expected.dtype and torch.equal(got0, expected) and torch.equal(got1, expected)
+
+
+@pytest.mark.skipif(not shm.supported(), reason="shared-memory collectives are for x86 hosts")
+def test_the_shared_memory_file_is_never_open_to_other_users(monkeypatch, tmp_path):
+    """Its mode while it exists under /dev/shm (every rank's activations pass through it), under the
+    usual umask; and a name someone else made first is never reused."""
+    from compiled import parallel
+
+    modes, unlink = [], os.unlink
+
+    def unlinked(path):
+        modes.append(os.stat(path).st_mode & 0o777)
+        unlink(path)
+
+    monkeypatch.setattr(parallel.dist, "broadcast", lambda *a, **k: None)  # one rank: nothing to exchange
+    monkeypatch.setattr(parallel.dist, "all_reduce", lambda *a, **k: None)
+    monkeypatch.setattr(parallel.os, "unlink", unlinked)
+    umask = os.umask(0o022)
+    try:
+        exchange = parallel._open_shm(0, 1)
+    finally:
+        os.umask(umask)
+    assert exchange is not None and modes == [0o600]
+    taken = tmp_path / "taken"
+    taken.write_bytes(b"")
+    with pytest.raises(FileExistsError):
+        shm.create(str(taken), 1)

@@ -129,3 +129,67 @@ def test_bad_tools_are_400s_naming_the_field(kw, renders, param, says):
     with pytest.raises(APIError) as e:
         plan(_request(**kw), renders_tools=renders, parser_name=None)
     assert e.value.status == 400 and e.value.param == param and says in e.value.message
+
+
+class _CountedText(str):
+    """A reply's text that counts the characters searched or copied out of it."""
+
+    read = 0
+
+    def find(self, sub, start=0, end=None):
+        found = super().find(sub, start, len(self) if end is None else end)
+        _CountedText.read += (len(self) if found == -1 else found + len(sub)) - start
+        return found
+
+    def __getitem__(self, key):
+        piece = super().__getitem__(key)
+        _CountedText.read += len(piece)
+        return piece
+
+    def lstrip(self, chars=None):
+        _CountedText.read += len(self)
+        return super().lstrip(chars)
+
+    def strip(self, chars=None):
+        _CountedText.read += len(self)
+        return super().strip(chars)
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_a_long_streamed_reply_is_read_once_not_once_per_chunk(parser):
+    """The chat stream's tool-call reader looks only at text it has not settled: a reply of L characters
+    in many chunks costs O(L) reading, where a parse of the whole text per chunk costs O(L^2)."""
+    import asyncio
+
+    from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from engine.params import SamplingParams
+    from server.serving import PromptIds, Serving
+    from server.serving_chat import ChatRun, ChatServing
+    from tests.test_server_app import FakeLLM
+
+    words = ["word "] * 2000 + [_hermes("now", {}) if parser == "hermes" else " done"]
+
+    async def outputs():
+        text = ""
+        for i, word in enumerate(words):
+            text += word
+            last = i == len(words) - 1
+            out = CompletionOutput(0, _CountedText(text), [1] * (i + 1), None, "stop" if last else None)
+            out.delta_text, out.delta_token_ids = word, [1]
+            yield RequestOutput("r", None, [1], [out], last, RequestMetrics(0.0))
+
+    async def go():
+        chat = ChatServing(Serving(FakeLLM()))
+        b = _request(tools=[WEATHER, {"type": "function", "function": {"name": "now"}}])
+        tool_plan = plan(b, renders_tools=True, parser_name=parser)
+        run = ChatRun(b, "r", 0, PromptIds(None, [1]), SamplingParams(), outputs(), tool_plan)
+        return [c async for c in chat.chunks(run, (False, False))]
+
+    _CountedText.read = 0
+    chunks = asyncio.run(go())
+    length = len("".join(words))
+    assert _CountedText.read < 8 * length, f"{_CountedText.read} characters read for a reply of {length}"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks[1:])
+    assert content.startswith("word word") and content.count("word") == 2000
+    calls = [call for c in chunks for call in c.choices[0].delta.tool_calls or []] if chunks else []
+    assert [call.function.name for call in calls] == (["now"] if parser == "hermes" else [])

@@ -145,6 +145,12 @@ def run(args: argparse.Namespace) -> int:
         flags = engine_flags(args)
         result = soak.run(args.model, flags, args.requests, args.duration, args.clients, args.seed, log)
         print(soak.format_report(result))
+    elif args.bench == "attack":
+        from server.bench import attack
+
+        log = Path(args.server_log) if args.server_log else None
+        result = attack.run(args.model, engine_flags(args), args.duration, args.baseline, args.good, log)
+        print(attack.format_report(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
@@ -309,6 +315,17 @@ def parser() -> argparse.ArgumentParser:
     soak.add_argument("--seed", type=int, default=0)
     soak.add_argument("--server-log", default=None, help="keep the server's output in this file")
     add_engine_args(soak)
+    attack = kinds.add_parser(
+        "attack", help="good streaming clients alone, then beside every hostile client at once; then recovery"
+    )
+    attack.add_argument(
+        "model", nargs="?", default=None, help="what to serve (default: the embedded SmolLM2)"
+    )
+    attack.add_argument("--duration", type=float, default=600.0, help="seconds the attackers run")
+    attack.add_argument("--baseline", type=float, default=120.0, help="seconds the good clients run alone")
+    attack.add_argument("--good", type=int, default=4, help="well-behaved streaming clients")
+    attack.add_argument("--server-log", default=None, help="keep the server's output in this file")
+    add_engine_args(attack)
     structured = kinds.add_parser(
         "structured", help="a JSON schema's cost per output token at batch 1 and 16, and its TTFT"
     )
@@ -330,7 +347,7 @@ def parser() -> argparse.ArgumentParser:
     spec.add_argument("--concurrency", default="1,4,16", help="streams served at once")
     spec.add_argument("--rounds", type=int, default=2, help="timed runs of each engine, taking turns")
     add_engine_args(spec)
-    for p in (sched, runner, startup, gpu, throughput, latency, serve, soak, structured, spec):
+    for p in (sched, runner, startup, gpu, throughput, latency, serve, soak, attack, structured, spec):
         p.add_argument("--json", default=None, help="also write the results to this file")
     return bench
 

@@ -748,16 +748,21 @@ def test_a_full_engine_answers_429_with_retry_after_before_any_stream_starts():
     asyncio.run(go())
 
 
-def test_streams_admitted_together_past_the_limit_get_429_not_an_error_inside_a_stream(monkeypatch):
-    fake = FakeLLM(step_s=0.05)
-    fake.capacity = 1
+def slow_tokenizing(monkeypatch, fake: FakeLLM, seconds: float) -> None:
+    """Every encode takes `seconds`: requests sent together all pass the first admission check meanwhile."""
     encode = fake.tokenizer.encode
 
-    def slow_encode(text, add_special_tokens=True):  # both requests pass the first check meanwhile
-        time.sleep(0.3)
+    def slow_encode(text, add_special_tokens=True):
+        time.sleep(seconds)
         return encode(text, add_special_tokens)
 
     monkeypatch.setattr(fake.tokenizer, "encode", slow_encode)
+
+
+def test_streams_admitted_together_past_the_limit_get_429_not_an_error_inside_a_stream(monkeypatch):
+    fake = FakeLLM(step_s=0.05)
+    fake.capacity = 1
+    slow_tokenizing(monkeypatch, fake, 0.3)
 
     async def stream(c):
         body = {"prompt": "hi", "max_tokens": 40, "stream": True}
@@ -898,13 +903,7 @@ def test_priority_reaches_the_engine_and_is_refused_under_fcfs_in_vllms_words(fa
 def test_several_prompts_are_admitted_together_or_not_at_all(monkeypatch):
     fake = FakeLLM(step_s=0.1)
     fake.capacity = 3
-    encode = fake.tokenizer.encode
-
-    def slow_encode(text, add_special_tokens=True):  # both requests pass the first check meanwhile
-        time.sleep(0.1)
-        return encode(text, add_special_tokens)
-
-    monkeypatch.setattr(fake.tokenizer, "encode", slow_encode)
+    slow_tokenizing(monkeypatch, fake, 0.1)
 
     async def go():
         transport = httpx.ASGITransport(app=build_app(fake))

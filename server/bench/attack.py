@@ -5,8 +5,8 @@ with no key could send to hurt the others (huge `n` over long prompts, fresh lar
 /tokenize and /detokenize bodies, whole echo + logprobs answers never read, bodies trickled in, browser
 requests from a foreign origin), and an idle wait once the attackers stop. The verdict: every good request
 completed; their time to first token p99 at most TTFT_RATIO and inter-token latency p99 at most ITL_RATIO
-times the baseline's; each process's peak resident memory under RSS_LIMIT_MIB; back within RSS_RETURN of
-its level before the attack, and every KV block free, once idle.
+times the baseline's; each process's peak resident memory under RSS_LIMIT_MIB; the server's back within
+RSS_RETURN of its level before the attack, and every KV block free, once idle.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import random
 import time
 from collections import Counter
@@ -25,7 +26,10 @@ from server.bench.serve import launch
 from server.bench.soak import Watch, _rss, engine_core_pid, engine_gauges
 
 TTFT_RATIO, ITL_RATIO, RSS_RETURN = 2.0, 1.5, 1.1
-RSS_LIMIT_MIB = {"server": 2048, "engine_core": 4096}  # README's stated bounds for the default model
+# README's bounds for the default model on a 24 GiB host: the core's is its KV cache (25 % of RAM), which it
+# commits as blocks are first used (so it is not expected back once idle), plus the weights and about 2 GiB.
+RSS_LIMIT_MIB = {"server": 2048, "engine_core": 8192}
+JSON = {"Content-Type": "application/json"}
 WORDS = ["kiln", "fire", "clay", "glaze", "pot", "ash", "slip", "cone"]
 
 
@@ -83,6 +87,13 @@ class Attackers:
         self.host, self.port = url.removeprefix("http://").rsplit(":", 1)
         self.long_text = " ".join(WORDS[i % len(WORDS)] for i in range(max_model_len // 2))
         self.rng = random.Random(7)
+        # Encoded once: on a small machine the attackers' own JSON work would take the cores from the server.
+        self.bodies = {
+            "samples": {"model": model, "prompt": self.long_text, "n": 128, "max_tokens": 16},
+            "tokenize": {"prompt": "kiln " * 1_500_000},
+            "detokenize": {"tokens": [self.rng.randrange(1000) for _ in range(1_000_000)]},
+        }
+        self.bodies = {name: json.dumps(body).encode() for name, body in self.bodies.items()}
 
     async def post(self, name: str, path: str, **kw) -> None:
         try:
@@ -92,8 +103,7 @@ class Attackers:
             self.outcomes[name, type(e).__name__] += 1
 
     async def samples(self) -> None:
-        body = {"model": self.model, "prompt": self.long_text, "n": 128, "max_tokens": 16}
-        await self.post("samples", "/v1/completions", json=body)
+        await self.post("samples", "/v1/completions", content=self.bodies["samples"], headers=JSON)
 
     async def grammar(self) -> None:
         tag = self.rng.getrandbits(64)
@@ -105,10 +115,10 @@ class Attackers:
         await self.post("grammar", "/v1/completions", json=body)
 
     async def tokenize(self) -> None:
-        await self.post("tokenize", "/tokenize", json={"prompt": "kiln " * (1_500_000)})
+        await self.post("tokenize", "/tokenize", content=self.bodies["tokenize"], headers=JSON)
 
     async def detokenize(self) -> None:
-        await self.post("detokenize", "/detokenize", json={"tokens": [self.rng.randrange(1000)] * 1_000_000})
+        await self.post("detokenize", "/detokenize", content=self.bodies["detokenize"], headers=JSON)
 
     async def browser(self) -> None:
         data = json.dumps({"prompt": "hi", "max_tokens": 4}).encode()
@@ -197,6 +207,7 @@ def run(
     log: Path | None = None,
 ) -> dict:
     """Launch `kiln serve`, run the three phases, stop it; the figures and a verdict (`ok`)."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the report
     key = "attack-key"
     headers = {"Authorization": f"Bearer {key}"}  # the good clients' (attackers need none for most routes)
     with launch(model, [*(serve_flags or []), "--api-key", key], log=log) as (url, proc):
@@ -243,7 +254,7 @@ def run(
         and result["ttft_ratio"] <= TTFT_RATIO
         and result["itl_ratio"] <= ITL_RATIO
         and all(peak[n] <= RSS_LIMIT_MIB[n] for n in pids)
-        and all(after[n] <= before[n] * RSS_RETURN for n in pids)
+        and after["server"] <= before["server"] * RSS_RETURN
         and len(gauges) == 3
         and not any(gauges.values())
     )

@@ -7,6 +7,7 @@ n samples the core runs as n requests sharing the prompt (and its cached blocks)
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -33,10 +34,10 @@ class PreparedRequest:
     core_request: EngineCoreRequest  # what is sent: the prompt once, for all its samples
     core_requests: list[EngineCoreRequest]  # its samples, as the core runs them
 
-    @property
+    @functools.cached_property
     def cost(self) -> tuple[int, int, int]:
         """What it holds while in flight: its samples, their prompt tokens, its constraint's bytes (sent and
-        compiled once for all samples)."""
+        compiled once for all samples); computed once, as admission checks it twice."""
         so = self.params.structured_outputs
         size = 0 if so is None else len(msgspec.json.encode(so))
         n = len(self.core_requests)

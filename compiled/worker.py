@@ -7,6 +7,9 @@ contract (engine/step.py) and plain values, so nothing torch crosses into the en
 from __future__ import annotations
 
 import os
+import socket
+import sys
+import threading
 
 import msgspec
 import torch
@@ -139,18 +142,27 @@ def _share_cores(share: int, shares: int, num_threads: int | None) -> int:
     return threads
 
 
+def _exit_when_gone(monitor, stopping: threading.Event, rank: int) -> None:
+    """Exit the process once `monitor` sees the core's connection end, unless it asked us to stop: its
+    last Shutdown can arrive together with its disconnect."""
+    monitor.recv_multipart()
+    if not stopping.wait(2.0):
+        print(f"worker {rank}: the engine core went away", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
 def main() -> None:
     """A tensor-parallel rank's process, which runs the executor's calls (engine/executor.py) until told
     to stop: started by the engine core (`INPUT OUTPUT --rank R --parent PID`), or elsewhere by torchrun
     (`--connect tcp://HOST:PORT`, the core's --worker-address; the rank from torchrun's RANK)."""
     import argparse
     import logging
-    import sys
 
     import zmq
 
+    import engine.cluster as cluster
     import engine.messages as m
-    from engine.processes import die_with_parent, worker_sockets
+    from engine.processes import WORKER_TOPIC, die_with_parent, worker_sockets
 
     parser = argparse.ArgumentParser(prog="python -m compiled.worker")
     parser.add_argument("inputs", nargs="?")
@@ -158,6 +170,9 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=None)
     parser.add_argument("--parent", type=int, default=None)
     parser.add_argument("--connect", default=None, help="the engine core's --worker-address")
+    parser.add_argument(
+        "--cluster-key-file", default=None, help="the cluster's key (default: $KILN_CLUSTER_KEY)"
+    )
     args = parser.parse_args()
     if args.connect:
         args.inputs, args.outputs = worker_sockets(args.connect)
@@ -172,25 +187,29 @@ def main() -> None:
     )
     ctx = zmq.Context()
     inputs, outputs = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
-    # A core elsewhere that goes away (however it ends) closes the connection: this worker ends with it.
-    gone = inputs.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    key = cluster.load_key(args.cluster_key_file) if args.connect else None
     inputs.setsockopt(zmq.SUBSCRIBE, b"")
-    inputs.connect(args.inputs)
-    outputs.connect(args.outputs)
-    poller = zmq.Poller()
-    poller.register(inputs, zmq.POLLIN)
-    poller.register(gone, zmq.POLLIN)
+    inputs.setsockopt(zmq.SUBSCRIBE, WORKER_TOPIC + f"{rank} on {socket.gethostname()}".encode())
+    stopping = threading.Event()
+    # The core gone (however it ends, or its host silent) ends this worker, even inside a collective.
+    gone = inputs.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    threading.Thread(target=_exit_when_gone, args=(gone, stopping, rank), daemon=True).start()
+    cluster.connect(inputs, args.inputs, key)
+    cluster.connect(outputs, args.outputs, key)
     decoder = msgspec.msgpack.Decoder(m.WorkerInput, dec_hook=m.decode_array)
     encoder = msgspec.msgpack.Encoder()
+    log = logging.getLogger("kiln.worker")
     worker: Worker | None = None
     try:
         while True:
-            # The core's last Shutdown can arrive together with its disconnect: the message wins.
-            if gone in dict(poller.poll()) and not inputs.poll(500):
-                logging.getLogger("kiln.worker").error("worker %d: the engine core went away", rank)
-                sys.exit(1)
-            msg = decoder.decode(inputs.recv())
+            frame = inputs.recv()
+            try:
+                msg = decoder.decode(frame)
+            except msgspec.MsgspecError as e:
+                log.warning("dropped a malformed frame (%d bytes): %s", len(frame), e)
+                continue
             if isinstance(msg, m.Shutdown):
+                stopping.set()
                 break
             if isinstance(msg, m.ExecuteModel):
                 out = worker.execute_model(msg.scheduler_output)
@@ -204,7 +223,7 @@ def main() -> None:
                 info = (worker.config, worker.max_model_len, worker.dtype, worker.device, worker.vocab_size)
                 outputs.send(encoder.encode(m.WorkerReady(rank, *info)))
     except Exception as e:
-        logging.getLogger("kiln.worker").exception("worker %d failed", rank)
+        log.exception("worker %d failed", rank)
         outputs.send(encoder.encode(m.WorkerReply(rank, error=f"{type(e).__name__}: {e}")))
         sys.exit(1)
     parallel.shutdown()

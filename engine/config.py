@@ -150,6 +150,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             "(PORT+1 is used too), to serve with instead of starting cores here"
         ),
     ] = None
+    cluster_key_file: Annotated[
+        str | None,
+        _help(
+            "a file holding the cluster's shared secret (`kiln cluster-key` makes one; default: "
+            "$KILN_CLUSTER_KEY): connections to headless cores and workers elsewhere are encrypted and "
+            "open only to its holders; required to listen beyond loopback"
+        ),
+    ] = None
     speculative_config: Annotated[
         SpeculativeConfig | None,
         _help(

@@ -19,6 +19,7 @@ import time
 import msgspec
 import zmq
 
+from engine import cluster
 from engine.config import EngineConfig
 from engine.executor import StepResult, make_executor, worker_class
 from engine.messages import (
@@ -29,6 +30,7 @@ from engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    Heartbeat,
     Shutdown,
     StartCore,
     UtilityCall,
@@ -46,6 +48,7 @@ logger = logging.getLogger("kiln.core")
 
 STATS_INTERVAL_S = 5.0
 POLL_MS = 200  # how often a headless core waiting for input checks that its front end is still there
+FRONT_END_SILENCE_S = 10.0
 SEND_TIMEOUT_MS = 30_000
 # Prompts that arrive together (clients that started together come back together) are prefilled in full
 # steps while the streams they started are in their first tokens: a pause or two early in each of those
@@ -206,18 +209,24 @@ class EngineCore:
 
 class EngineCoreProc:
     """EngineCore behind two zmq sockets: PULL for inputs, PUSH for outputs. A local core connects to its
-    front end's sockets; a headless one (`listen`) binds its own and stops once its front end leaves."""
+    front end's sockets; a headless one (`listen`) binds its own, for its cluster's peers only
+    (engine/cluster.py), and stops once its front end has been silent for FRONT_END_SILENCE_S."""
 
-    def __init__(self, input_addr: str, output_addr: str, listen: bool = False) -> None:
+    def __init__(
+        self, input_addr: str, output_addr: str, listen: bool = False, key_file: str | None = None
+    ) -> None:
         self.ctx = zmq.Context(io_threads=1)
         self.input = self.ctx.socket(zmq.PULL)
         self.output = self.ctx.socket(zmq.PUSH)
-        self.monitor: zmq.Socket | None = None
+        self.listen, self.key_file, self.auth, self.refused = listen, key_file, None, []
         if listen:
-            self.monitor = self.input.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            key = cluster.load_key(key_file)
             self.output.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)  # a front end gone can't block us
-            self.input.bind(input_addr)
-            self.output.bind(output_addr)
+            self.refused = [cluster.RefusedConnections(self.input, input_addr)]
+            self.refused.append(cluster.RefusedConnections(self.output, output_addr))
+            cluster.listen(self.input, input_addr, key)
+            cluster.listen(self.output, output_addr, key)
+            self.auth = cluster.authenticator(self.ctx, key)
         else:
             self.input.connect(input_addr)
             self.output.connect(output_addr)
@@ -225,6 +234,7 @@ class EngineCoreProc:
         self.encoder = msgspec.msgpack.Encoder()
         self.core: EngineCore | None = None
         self.engine_index = 0
+        self.last_heard = time.monotonic()
 
     def send(self, msg) -> None:
         self.output.send(self.encoder.encode(msg), copy=False)
@@ -232,13 +242,16 @@ class EngineCoreProc:
     def run(self) -> None:
         try:
             worker_class().prepare()  # seconds of imports that overlap the front end's own start
-            start = self.decoder.decode(self.input.recv())
-            if not isinstance(start, StartCore):
-                raise RuntimeError(f"expected StartCore first, got {type(start).__name__}")
+            start = self._receive()
+            while not isinstance(start, StartCore):  # a front end's heartbeat may come first
+                if not isinstance(start, Heartbeat | None):
+                    raise RuntimeError(f"expected StartCore first, got {type(start).__name__}")
+                start = self._receive()
             self.engine_index = start.engine_index
-            while self.monitor is not None and self.monitor.poll(0):  # an earlier peer's leaving
-                self.monitor.recv_multipart()
-            self.core = EngineCore(start.config, start.model_dir, start.gguf_file)
+            config = start.config
+            if self.listen:  # this host's key, not the front end's path to its own
+                config = msgspec.structs.replace(config, cluster_key_file=self.key_file)
+            self.core = EngineCore(config, start.model_dir, start.gguf_file)
         except Exception as e:
             logger.exception("engine core failed to start")
             self.send(CoreFailed(f"engine core failed to start: {type(e).__name__}: {e}", self.engine_index))
@@ -257,20 +270,43 @@ class EngineCoreProc:
             raise
         finally:
             self.core.executor.shutdown()
+            if self.auth is not None:
+                self.auth.stop()
+
+    def _receive(self, flags: int = 0):
+        """The next input (zmq.Again if NOBLOCK finds none); None for a frame that is not one, which is
+        logged and dropped."""
+        frame = self.input.recv(flags)
+        self.last_heard = time.monotonic()
+        try:
+            return self.decoder.decode(frame)
+        except msgspec.MsgspecError as e:
+            logger.warning("dropped a malformed input frame (%d bytes): %s", len(frame), e)
+            return None
+
+    def _front_end_left(self) -> bool:
+        """A headless core's front end is gone once it has been silent for FRONT_END_SILENCE_S (it sends a
+        heartbeat every second, and its host or process may vanish without closing anything)."""
+        for refused in self.refused:
+            refused.log()
+        silent = time.monotonic() - self.last_heard
+        if self.listen and silent > FRONT_END_SILENCE_S:
+            logger.info("the front end has been silent for %.0f s: stopping", silent)
+            return True
+        return False
 
     def _drain_inputs(self, block: bool) -> bool:
-        """Apply every pending input; False once asked to shut down."""
+        """Apply every pending input; False once asked to shut down or the front end has left."""
         outputs: list[EngineCoreOutput] = []
-        if self.monitor is not None:
-            while block and not self.input.poll(POLL_MS) and not self.monitor.poll(0):
-                pass  # wait for input, or for the front end to leave
-            if self.monitor.poll(0):
-                logger.info("the front end left: stopping")
+        while block and not self.input.poll(POLL_MS):
+            if self._front_end_left():
                 return False
+        if not block and self._front_end_left():
+            return False
         flags = 0 if block else zmq.NOBLOCK
         while True:
             try:
-                msg = self.decoder.decode(self.input.recv(flags))
+                msg = self._receive(flags)
             except zmq.Again:
                 break
             flags = zmq.NOBLOCK
@@ -300,21 +336,23 @@ class EngineCoreProc:
         return UtilityResult(call.call_id, result, error, self.engine_index)
 
 
-def serve_headless(address: str) -> int:
+def serve_headless(address: str, key_file: str | None = None) -> int:
     """`kiln serve --headless`: keep an engine core listening at `address` for a front end, a fresh one
     after each front end leaves, until stopped. A core that fails at once (its port taken) ends it."""
+    cluster.load_key(key_file)  # a missing or short key fails here, not in each core
     logger.info("headless engine core at %s and the port after it; waiting for a front end", address)
+    key = ["--cluster-key-file", key_file] if key_file else []
     while True:
         started = time.monotonic()
-        code = subprocess.call([sys.executable, "-m", "engine.core", "--listen", address])
+        code = subprocess.call([sys.executable, "-m", "engine.core", "--listen", address, *key])
         if code != 0 and time.monotonic() - started < 10:
             logger.error("the engine core exited with code %d", code)
             return code
 
 
 def main() -> None:
-    """`python -m engine.core IN OUT PARENT_PID`, started by a front end, or `--listen tcp://HOST:PORT`,
-    headless: waiting there (and on PORT+1) for a front end, until it leaves."""
+    """`python -m engine.core IN OUT PARENT_PID`, started by a front end, or `--listen tcp://HOST:PORT
+    [--cluster-key-file FILE]`, headless: waiting there (and on PORT+1) for a front end, until it leaves."""
     logging.basicConfig(
         level=os.environ.get("KILN_LOG_LEVEL", "INFO"),
         stream=sys.stderr,
@@ -323,9 +361,10 @@ def main() -> None:
     )
     if sys.argv[1] == "--listen":
         host, port = sys.argv[2].removeprefix("tcp://").rsplit(":", 1)
+        key_file = sys.argv[4] if len(sys.argv) > 4 else None
         die_with_parent(os.getppid())  # `kiln serve --headless`, which restarts it for the next front end
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        EngineCoreProc(sys.argv[2], f"tcp://{host}:{int(port) + 1}", listen=True).run()
+        EngineCoreProc(sys.argv[2], f"tcp://{host}:{int(port) + 1}", listen=True, key_file=key_file).run()
         return
     parent = int(sys.argv[3])
     die_with_parent(parent)

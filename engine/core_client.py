@@ -2,8 +2,8 @@
 
 Transport: zmq PUSH/PULL over ipc:// (tcp:// to headless cores on other hosts), not multiprocessing
 connections: pyzmq has native asyncio sockets (the server's client needs no thread), queues both ways without
-blocking the busy loop, and carries raw msgpack frames, so nothing is ever pickled.
-A local core runs as a fresh `python -m engine.core` process (not a fork); it dies with its parent.
+blocking the busy loop, and carries raw msgpack frames, so nothing is ever pickled. Connections to other
+hosts are the cluster's only (engine/cluster.py).
 """
 
 from __future__ import annotations
@@ -13,10 +13,8 @@ import collections
 import contextlib
 import itertools
 import logging
-import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import weakref
@@ -26,60 +24,15 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from engine import cluster
 from engine import messages as m
 from engine.config import EngineConfig
 from engine.coordinator import Coordinator
+from engine.core_procs import CoreProcess, RemoteCore, stop_process
 from engine.errors import EngineDeadError
 
 logger = logging.getLogger("kiln")
 POLL_MS = 200  # how often a waiting client checks that the core process is alive
-
-
-class CoreProcess:
-    """One engine core as the front end sees it: the process it started, its input socket, ready or dead."""
-
-    ready: m.CoreReady | None = None
-    dead: str | None = None
-
-    def __init__(self, ctx: zmq.Context, index: int, in_addr: str, out_addr: str) -> None:
-        self.index = index
-        self.input = ctx.socket(zmq.PUSH)
-        self.input.bind(in_addr)
-        self.proc: subprocess.Popen | None = subprocess.Popen(
-            [sys.executable, "-m", "engine.core", in_addr, out_addr, str(os.getpid())],
-            stdin=subprocess.DEVNULL,
-        )
-
-    def gone(self) -> str | None:
-        """Why the core is gone, if it is."""
-        if self.proc.poll() is None:
-            return None
-        return f"process exited unexpectedly (exit code {self.proc.returncode})"
-
-    def kill(self) -> None:
-        _stop(self.proc)
-
-
-class RemoteCore(CoreProcess):
-    """An engine core started elsewhere (`kiln serve --headless`), reached over TCP at `address`
-    (inputs) and the port after it (outputs); it is gone once its connection drops."""
-
-    def __init__(self, ctx: zmq.Context, index: int, address: str) -> None:
-        self.index, self.address = index, address
-        host, port = address.removeprefix("tcp://").rsplit(":", 1)
-        self.output_address = f"tcp://{host}:{int(port) + 1}"
-        self.input = ctx.socket(zmq.PUSH)
-        self.monitor = self.input.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.input.connect(address)
-        self.proc = None
-        self.lost = False
-
-    def gone(self) -> str | None:
-        self.lost = self.lost or bool(self.monitor.poll(0))
-        return f"at {self.address}: its connection dropped" if self.lost else None
-
-    def kill(self) -> None:
-        """Nothing to kill here: the core stops itself once its front end's connection drops."""
 
 
 class CoreClient:
@@ -97,16 +50,19 @@ class CoreClient:
         self.ctx = zmq.Context()
         self.ctx.setsockopt(zmq.LINGER, 0)  # closing never waits for unsent messages
         self.output = self.ctx.socket(zmq.PULL)
-        self.output.bind(out_addr)
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(m.CoreOutput)
         self.dead: str | None = None
+        self.heartbeats: cluster.Heartbeats | None = None
         if config.engine_core_addresses:
             addresses = config.engine_core_addresses.split(",")
-            self.cores = [RemoteCore(self.ctx, i, address) for i, address in enumerate(addresses)]
+            key = cluster.load_key(config.cluster_key_file)
+            self.cores = [RemoteCore(self.ctx, i, address, key) for i, address in enumerate(addresses)]
             for core in self.cores:
-                self.output.connect(core.output_address)
+                cluster.connect(self.output, core.output_address, key)
+            self.heartbeats = cluster.Heartbeats(self.ctx, addresses, key, self.encoder.encode(m.Heartbeat()))
         else:
+            self.output.bind(out_addr)
             n = config.data_parallel_size
             self.cores = [CoreProcess(self.ctx, i, f"ipc://{self.ipc_dir}/in{i}", out_addr) for i in range(n)]
         self.ready: m.CoreReady | None = None  # the first core's; every core's budgets are the same
@@ -116,7 +72,7 @@ class CoreClient:
         # Runs on shutdown, when the client is collected, or at interpreter exit, whichever comes first:
         # a script that falls off its end with the engine alive still exits.
         procs = [core.proc for core in self.cores if core.proc is not None]
-        self._finalizer = weakref.finalize(self, _release, procs, self.ctx, self.ipc_dir)
+        self._finalizer = weakref.finalize(self, _release, procs, self.heartbeats, self.ctx, self.ipc_dir)
 
     def start(self, config: EngineConfig, model_dir: str, gguf_file: str | None = None) -> None:
         for core in self.cores:
@@ -141,7 +97,7 @@ class CoreClient:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.output.poll(POLL_MS):
-                msg = self.decoder.decode(self.output.recv())
+                msg = self._decode(self.output.recv())
                 if isinstance(msg, m.CoreReady):
                     self.cores[msg.engine_index].ready = msg
                 elif isinstance(msg, m.CoreFailed):
@@ -198,6 +154,14 @@ class CoreClient:
             if not self.cores[index].dead:
                 self.send(self.cores[index], m.AbortRequests(ids))
 
+    def _decode(self, frame: bytes):
+        """A core's message, or None for a frame that is not one (logged and dropped)."""
+        try:
+            return self.decoder.decode(frame)
+        except msgspec.MsgspecError as e:
+            logger.warning("dropped a malformed frame from an engine core (%d bytes): %s", len(frame), e)
+            return None
+
     def _apply(self, msg) -> list[m.EngineCoreOutput]:
         """Book a message from a core; return the request outputs it carries."""
         if isinstance(msg, m.EngineCoreOutputs):
@@ -245,15 +209,14 @@ class CoreClient:
             self.dead = "engine core was shut down"
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    proc.kill()  # nothing if it has exited (Popen checks)
-    proc.wait()
-
-
-def _release(procs: list[subprocess.Popen], ctx: zmq.Context, ipc_dir: str) -> None:
+def _release(
+    procs: list[subprocess.Popen], heartbeats: cluster.Heartbeats | None, ctx: zmq.Context, ipc_dir: str
+) -> None:
     """Kill the core processes still running (a clean stop is `shutdown`'s); close every socket at once."""
     for proc in procs:
-        _stop(proc)
+        stop_process(proc)
+    if heartbeats is not None:
+        heartbeats.stop()  # before its sockets close under it
     if not ctx.closed:
         ctx.destroy(linger=0)
     shutil.rmtree(ipc_dir, ignore_errors=True)
@@ -273,7 +236,7 @@ class SyncCoreClient(CoreClient):
         while not self._pending:
             self.check_alive()
             if self.output.poll(POLL_MS):
-                self._receive(self.decoder.decode(self.output.recv()))
+                self._receive(self._decode(self.output.recv()))
             elif deadline is not None and time.monotonic() >= deadline:
                 break
         out, self._pending = self._pending, []
@@ -291,7 +254,7 @@ class SyncCoreClient(CoreClient):
         while not calls.keys() <= self._results.keys():
             self.check_alive()
             if self.output.poll(POLL_MS):
-                self._receive(self.decoder.decode(self.output.recv()))
+                self._receive(self._decode(self.output.recv()))
         return {index: self._result(self._results.pop(call_id)) for call_id, index in calls.items()}
 
 
@@ -355,7 +318,7 @@ class AsyncCoreClient(CoreClient):
         try:
             while True:
                 if await self.aoutput.poll(POLL_MS):
-                    msg = self.decoder.decode(await self.aoutput.recv())
+                    msg = self._decode(await self.aoutput.recv())
                     if isinstance(msg, m.UtilityResult):
                         call = self._calls.pop(msg.call_id, None)
                         if call is not None and not call[1].done():

@@ -24,9 +24,10 @@ from typing import Any, Protocol
 import msgspec
 import zmq
 
+from engine import cluster
 from engine import messages as m
 from engine.config import EngineConfig, tensor_parallel_error
-from engine.processes import free_port, worker_sockets
+from engine.processes import WORKER_TOPIC, free_port, worker_sockets
 from engine.step import ModelRunnerOutput, SchedulerOutput
 
 WORKER_CLASS = "compiled.worker.Worker"
@@ -124,20 +125,26 @@ class MultiprocExecutor(Executor):
                 raise ValueError(f"{model_dir} cannot run tensor-parallel: {error}")
         self.ctx = zmq.Context()
         self.ctx.setsockopt(zmq.LINGER, 0)
-        # Every call goes to every rank alike: one XPUB socket, which reports each worker's subscription,
-        # so nothing is sent before all of them listen. Answers come back on one PULL socket.
+        # Every call goes to every rank alike: one XPUB socket. Each worker subscribes to its own name
+        # too, which XPUB reports (VERBOSER: every one) as it joins and as its connection ends, so that
+        # nothing is sent before all of them listen and a worker gone is known by name.
         self.inputs = self.ctx.socket(zmq.XPUB)
-        self.inputs.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self.inputs.setsockopt(zmq.XPUB_VERBOSER, 1)
         self.replies = self.ctx.socket(zmq.PULL)
-        self.ipc_dir, self.procs = None, []
+        self.ipc_dir, self.procs, self.auth = None, [], None
         if config.worker_address:  # workers started elsewhere (torchrun) connect to these
             in_addr, out_addr = worker_sockets(config.worker_address)
             self.inputs.setsockopt(zmq.LINGER, 2000)  # the last Shutdown still reaches them as we stop
+            key = cluster.load_key(config.cluster_key_file)
+            cluster.listen(self.inputs, in_addr, key)
+            cluster.listen(self.replies, out_addr, key)
+            self.auth = cluster.authenticator(self.ctx, key)
         else:
             self.ipc_dir = tempfile.mkdtemp(prefix="kiln-workers-")
             in_addr, out_addr = f"ipc://{self.ipc_dir}/in", f"ipc://{self.ipc_dir}/out"
-        self.inputs.bind(in_addr)
-        self.replies.bind(out_addr)
+            self.inputs.bind(in_addr)
+            self.replies.bind(out_addr)
+        self.workers: dict[bytes, bool] = {}  # each worker's name: whether it is still connected
         self.encoder = msgspec.msgpack.Encoder(enc_hook=m.encode_array)
         self.decoder = msgspec.msgpack.Decoder(m.WorkerOutput)
         if not config.worker_address:
@@ -164,20 +171,27 @@ class MultiprocExecutor(Executor):
             logger.info(
                 "waiting for %d workers at %s (python -m compiled.worker --connect %s)", size, addr, addr
             )
-        subscribed = 0
-        while subscribed < size:
-            if self.inputs.poll(POLL_MS):
-                subscribed += self.inputs.recv()[:1] == b"\x01"
+        while len(self.workers) < size:
+            self.inputs.poll(POLL_MS)
             self._check_alive()
 
     def _send(self, msg: m.WorkerInput) -> None:
         self.inputs.send(self.encoder.encode(msg), copy=False)
 
     def _check_alive(self, but: int | None = None) -> None:
-        """Workers started here that exited; those started elsewhere fail through their peers' collectives."""
+        """RuntimeError for a worker started here that exited, or any whose connection ended (its host
+        gone, or it stopped answering heartbeats: engine/cluster.py)."""
         for rank, proc in enumerate(self.procs):
             if rank != but and proc.poll() is not None:
                 raise RuntimeError(f"worker {rank} exited unexpectedly (exit code {proc.returncode})")
+        while self.inputs.poll(0):
+            event = self.inputs.recv()
+            name = event[1:]  # the catch-all subscription that comes with each name is not one
+            if name.startswith(WORKER_TOPIC) and name[len(WORKER_TOPIC) :].split(b" ")[0].isdigit():
+                self.workers[name] = event[:1] == b"\x01"
+        for name, joined in self.workers.items():
+            if not joined and int(name.split()[2]) != but:
+                raise RuntimeError(f"{name.decode()} went away (its connection dropped or stopped answering)")
 
     def _wait(self, kind: type, count: int) -> list:
         """The next `count` answers of type `kind`, in rank order where they carry one; a worker's error or
@@ -187,7 +201,12 @@ class MultiprocExecutor(Executor):
             if not self.replies.poll(POLL_MS):
                 self._check_alive()
                 continue
-            msg = self.decoder.decode(self.replies.recv())
+            frame = self.replies.recv()
+            try:
+                msg = self.decoder.decode(frame)
+            except msgspec.MsgspecError as e:
+                logger.warning("dropped a malformed frame from a worker (%d bytes): %s", len(frame), e)
+                continue
             if isinstance(msg, m.WorkerReply) and msg.error is not None:
                 # A collective fails on every rank when one rank dies: name the dead one, if that is it.
                 deadline = time.monotonic() + 1.0
@@ -222,6 +241,8 @@ class MultiprocExecutor(Executor):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        if self.auth is not None:
+            self.auth.stop()
         self.ctx.destroy()
         if self.ipc_dir:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)

@@ -74,7 +74,11 @@ class StartCore(msgspec.Struct, tag=True, array_like=True):
     engine_index: int = 0  # which of the front end's engine cores (data parallelism) this one is
 
 
-CoreInput = EngineCoreRequest | AbortRequests | UtilityCall | Shutdown | StartCore
+class Heartbeat(msgspec.Struct, tag=True, array_like=True):
+    """A front end's sign of life to a headless core, which stops once they cease (engine/cluster.py)."""
+
+
+CoreInput = EngineCoreRequest | AbortRequests | UtilityCall | Shutdown | StartCore | Heartbeat
 
 
 # ---- engine core -> front end ----------------------------------------------------------------

@@ -28,6 +28,9 @@ def die_with_parent(parent: int) -> None:
         sys.exit(1)
 
 
+WORKER_TOPIC = b"kiln worker "  # a worker subscribes to its name too: this, then "RANK on HOST"
+
+
 def worker_sockets(address: str) -> tuple[str, str]:
     """The engine core's two sockets for workers at `address` (tcp://HOST:PORT): calls on PORT, answers
     on PORT + 1."""

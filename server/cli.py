@@ -8,6 +8,7 @@ import sys
 
 import msgspec
 
+from engine.cluster import new_secret
 from engine.config import cli_fields
 
 MODEL_HELP = "HF directory or .gguf file (default: the embedded SmolLM2)"
@@ -65,13 +66,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.headless:
         from engine.core import serve_headless
 
+        key_file = args.cluster_key_file
+        args.cluster_key_file = None  # this host's own, not an engine flag from the front end
         if args.model_path or args.model or engine_flags(args):
             raise ValueError(
                 "a headless engine core takes the model and engine flags from the front end that connects "
                 "to it (kiln serve MODEL ... --engine-core-addresses tcp://HOST:PORT); give only "
-                "--host and --port"
+                "--host, --port and --cluster-key-file"
             )
-        return serve_headless(f"tcp://{args.host}:{args.port}")
+        return serve_headless(f"tcp://{args.host}:{args.port}", key_file)
     from server.api import serve
 
     return serve(
@@ -188,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=cmd_generate)
 
     add_serve_parser(sub)
+    key = sub.add_parser("cluster-key", help="print a new cluster secret, for --cluster-key-file")
+    key.set_defaults(func=lambda _: print(new_secret()) or 0)
     bench = sub.add_parser("bench", help="benchmarks (numbers to record in BENCHMARKS.md)", add_help=False)
     bench.set_defaults(func=None)
 

@@ -2,7 +2,8 @@
 
 Nothing outside compiled/ and the benchmark package imports torch; engine/ and server/ never import
 compiled/ (the engine core reaches its worker by name, engine/executor.py); compiled/ imports from
-engine/ only the step contract, config and message types; nothing imports the benchmarks but `kiln bench`.
+engine/ only the step contract, config, message types and the sockets' security; nothing imports the
+benchmarks but `kiln bench`.
 """
 
 import ast
@@ -13,7 +14,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("engine", "compiled", "server")
 BENCH = "server/bench"
-WORKER_MAY_IMPORT = {"engine.config", "engine.messages", "engine.params", "engine.processes", "engine.step"}
+WORKER_MAY_IMPORT = {
+    "engine.cluster",
+    "engine.config",
+    "engine.messages",
+    "engine.params",
+    "engine.processes",
+    "engine.step",
+}
 MAX_LINES = 400
 
 

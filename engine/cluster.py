@@ -33,6 +33,11 @@ KEY_ENV = "KILN_CLUSTER_KEY"
 MIN_SECRET_CHARS = 16
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 4000
+HANDSHAKE_FAILED = (  # monitor events: a peer without the key, or not speaking zmq at all
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 HOW_TO_MAKE_ONE = (
     "make one with `kiln cluster-key > FILE` (mode 0600), copy it to every host, and pass "
     f"--cluster-key-file FILE to each kiln process (or set {KEY_ENV} to its contents)"
@@ -51,9 +56,7 @@ class ClusterKey:
 
     def __init__(self, secret: str) -> None:
         if len(secret) < MIN_SECRET_CHARS:
-            raise ValueError(
-                f"the cluster key is shorter than {MIN_SECRET_CHARS} characters: {HOW_TO_MAKE_ONE}"
-            )
+            raise ValueError(f"the cluster key is under {MIN_SECRET_CHARS} characters: {HOW_TO_MAKE_ONE}")
         self.server_public, self.server_secret = _key_pair(secret, b"kiln-listener")
         self.client_public, self.client_secret = _key_pair(secret, b"kiln-connector")
 
@@ -97,13 +100,18 @@ def is_loopback(address: str) -> bool:
             return False
 
 
-def listen(sock: zmq.Socket, address: str, key: ClusterKey | None) -> None:
-    """Bind `sock` at `address` for the cluster's peers only (its context needs `authenticator`'s
-    handler too). Beyond loopback a key is required."""
+def check_listen(address: str, key: ClusterKey | None) -> None:
+    """ValueError unless a socket may listen at `address`: beyond loopback only with a key."""
     if key is None and not is_loopback(address):
         raise ValueError(
             f"listening at {address}, beyond this machine, needs a cluster key: {HOW_TO_MAKE_ONE}"
         )
+
+
+def listen(sock: zmq.Socket, address: str, key: ClusterKey | None) -> None:
+    """Bind `sock` at `address` for the cluster's peers only (its context needs `authenticator`'s
+    handler too)."""
+    check_listen(address, key)
     _heartbeat(sock)
     if key is not None:
         sock.curve_server = True
@@ -136,8 +144,7 @@ class RefusedConnections:
     most a line a minute: a stream of strangers cannot flood the log."""
 
     def __init__(self, sock: zmq.Socket, address: str) -> None:
-        failed = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-        self.monitor = sock.get_monitor_socket(failed | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        self.monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
         self.address, self.last = address, float("-inf")
 
     def log(self) -> None:

@@ -318,6 +318,9 @@ class EngineCoreProc:
                 self.send(self._utility(msg))
             elif isinstance(msg, Shutdown):
                 return False
+            elif isinstance(msg, StartCore):  # engine/core_procs.py: RemoteCore
+                logger.warning("another front end connected: stopping, for a fresh engine core to serve it")
+                return False
         if outputs:
             self._send_outputs(outputs)
         return True
@@ -339,13 +342,13 @@ class EngineCoreProc:
 def serve_headless(address: str, key_file: str | None = None) -> int:
     """`kiln serve --headless`: keep an engine core listening at `address` for a front end, a fresh one
     after each front end leaves, until stopped. A core that fails at once (its port taken) ends it."""
-    cluster.load_key(key_file)  # a missing or short key fails here, not in each core
+    cluster.check_listen(address, cluster.load_key(key_file))  # here, not in each core
     logger.info("headless engine core at %s and the port after it; waiting for a front end", address)
     key = ["--cluster-key-file", key_file] if key_file else []
     while True:
         started = time.monotonic()
         code = subprocess.call([sys.executable, "-m", "engine.core", "--listen", address, *key])
-        if code != 0 and time.monotonic() - started < 10:
+        if code > 0 and time.monotonic() - started < 10:  # not killed: failing at start
             logger.error("the engine core exited with code %d", code)
             return code
 

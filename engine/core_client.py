@@ -79,7 +79,10 @@ class CoreClient:
             # A headless core has its host to itself; local ones share this one.
             rank = 0 if isinstance(core, RemoteCore) else core.index
             rank_config = msgspec.structs.replace(config, data_parallel_rank=rank)
-            self.send(core, m.StartCore(rank_config, model_dir, gguf_file, core.index))
+            start = m.StartCore(rank_config, model_dir, gguf_file, core.index)
+            if isinstance(core, RemoteCore):
+                core.start_frame = self.encoder.encode(start)
+            self.send(core, start)
 
     def send(self, core: CoreProcess, msg) -> None:
         """Queue `msg` for `core`. A PUSH socket blocks while no core is connected, so wait for room

@@ -5,11 +5,13 @@ A local core runs as a fresh `python -m engine.core` process (not a fork); it di
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 
 import zmq
+import zmq.utils.monitor
 
 from engine import cluster
 from engine import messages as m
@@ -42,26 +44,38 @@ class CoreProcess:
 
 class RemoteCore(CoreProcess):
     """An engine core started elsewhere (`kiln serve --headless`), reached over TCP at `address`
-    (inputs) and the port after it (outputs); it is gone once its connection drops or stops answering
-    heartbeats (engine/cluster.py)."""
+    (inputs) and the port after it (outputs). It is gone once its connection drops or stops answering
+    heartbeats (engine/cluster.py), or at once if it refuses this front end's key. A core that leaves
+    before it is ready was one still serving an earlier front end, which our StartCore stopped: its
+    host starts a fresh one, which is sent StartCore again."""
+
+    RESTARTS = 3
 
     def __init__(self, ctx: zmq.Context, index: int, address: str, key: cluster.ClusterKey | None) -> None:
         self.index, self.address = index, address
         host, port = address.removeprefix("tcp://").rsplit(":", 1)
         self.output_address = f"tcp://{host}:{int(port) + 1}"
         self.input = ctx.socket(zmq.PUSH)
-        self.monitor = self.input.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.monitor = self.input.get_monitor_socket(zmq.EVENT_DISCONNECTED | cluster.HANDSHAKE_FAILED)
         cluster.connect(self.input, address, key)
         self.proc = None
-        self.lost = False
+        self.start_frame: bytes | None = None  # StartCore, as sent
+        self.restarts, self.resend, self.why = 0, False, None
 
     def gone(self) -> str | None:
-        self.lost = self.lost or bool(self.monitor.poll(0))
-        if not self.lost:
-            return None
-        if self.ready is None:
-            return f"at {self.address} refused this front end (is its cluster key this one's?) or went away"
-        return f"at {self.address} went away (its connection dropped or stopped answering)"
+        while self.why is None and self.monitor.poll(0):
+            event = zmq.utils.monitor.recv_monitor_message(self.monitor)["event"]
+            if event & cluster.HANDSHAKE_FAILED:
+                self.why = f"at {self.address} refused this front end's key (each needs the same cluster key)"
+            elif self.ready is None and self.start_frame is not None and self.restarts < self.RESTARTS:
+                self.restarts, self.resend = self.restarts + 1, True
+            else:
+                self.why = f"at {self.address} went away (its connection dropped or stopped answering)"
+        if self.resend and self.why is None:
+            with contextlib.suppress(zmq.Again):  # until the fresh core's connection is up
+                self.input.send(self.start_frame, flags=zmq.NOBLOCK)
+                self.resend = False
+        return self.why
 
     def kill(self) -> None:
         """Nothing to kill here: the core stops itself once its front end falls silent."""

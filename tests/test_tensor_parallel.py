@@ -203,29 +203,59 @@ def test_a_dead_worker_fails_the_engine_and_leaves_no_process(models):
     assert not engine_core_children() and not workers_of(core)
 
 
-def test_workers_that_torchrun_starts_on_two_hosts(models, one_process):
+def test_workers_that_torchrun_starts_on_two_hosts(models, one_process, tmp_path):
     """Two torchrun agents on loopback stand for two hosts, one rank each; the engine core waits for
-    them at its worker address, and they exit once it shuts down. As on two hosts, the ranks talk
-    through gloo, not shared memory."""
+    them at its worker address, with the cluster's key. As on two hosts, the ranks talk through gloo,
+    not shared memory. Strangers at the worker address neither join, read steps nor forge replies; a
+    worker stopped (as a vanished host would be) fails the engine within 10 s, naming it, and the
+    other worker exits."""
     from engine.processes import free_port
+    from tests.test_cluster import key_file, strangers
+    from tests.test_data_parallel import listening_port
 
-    address = f"tcp://127.0.0.1:{free_port()}"
+    port, key = listening_port(), key_file(tmp_path)
+    address = f"tcp://127.0.0.1:{port}"
     torchrun = [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "2", "--nproc-per-node", "1"]
     rendezvous = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    worker = ["-m", "compiled.worker", "--connect", address, "--cluster-key-file", key]
     hosts = [
         subprocess.Popen(
-            [*torchrun, "--node-rank", str(i), *rendezvous, "-m", "compiled.worker", "--connect", address],
+            [*torchrun, "--node-rank", str(i), *rendezvous, *worker],
             env=dict(os.environ, KILN_SHM_COLLECTIVES="0"),
         )
         for i in range(2)
     ]
+    pulls = []
     try:
-        outs = run(models["split"], enforce_eager=True, tensor_parallel_size=2, worker_address=address)
-        for host in hosts:
-            assert host.wait(timeout=30) == 0
+        llm = LLM(
+            models["split"],
+            **ENGINE,
+            enforce_eager=True,
+            tensor_parallel_size=2,
+            worker_address=address,
+            cluster_key_file=key,
+        )
+        pulls = strangers(port)
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert not any(pull.poll(0) for pull in pulls)
+        (rank1,) = workers_of(hosts[1].pid)
+        os.kill(rank1, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match=r"kiln worker 1 on .* went away"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < 10
+        llm.shutdown()
+        (rank0,) = workers_of(hosts[0].pid)
+        os.kill(rank1, signal.SIGKILL)  # its host never comes back: the other worker goes too
+        deadline = time.monotonic() + 15
+        while Path(f"/proc/{rank0}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not workers_of(hosts[0].pid)
     finally:
         for host in hosts:
             host.kill()
+        for sock in pulls:
+            sock.close(linger=0)
     if "split" not in one_process:
         one_process["split"] = run(models["split"], enforce_eager=True)
     assert_same(outs, one_process["split"])

@@ -15,6 +15,9 @@ Invariants (the property tests in proptests/test_kv_cache_props.py hold them):
   and loses its hash only when it is popped for reuse (lazy eviction) or the whole cache is reset.
 - At most one block per hash: if two requests fill blocks with equal content, the second block
   stays unhashed and is simply freed for reuse later.
+- Recording events (``record_events``), ``kv_events`` maps each hash whose cache entry changed since the
+  last ``take_kv_events`` to whether it is now cached, and ``kv_reset`` says whether the whole map was
+  cleared first: applied to the cache as of the last take, they give the cache now.
 """
 
 from __future__ import annotations
@@ -99,6 +102,21 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.kv_events: dict[bytes, bool] | None = None
+        self.kv_reset = False
+
+    def record_events(self) -> None:
+        """Keep the prefix cache's changes for `take_kv_events` (a data-parallel coordinator's view)."""
+        self.kv_events = {}
+
+    def take_kv_events(self) -> tuple[bool, list[bytes], list[bytes]] | None:
+        """Whether the cache was reset, then the hashes evicted and those stored since the last take;
+        None when nothing changed (or nothing is recorded)."""
+        if not self.kv_events and not self.kv_reset:
+            return None
+        events, reset = self.kv_events, self.kv_reset
+        self.kv_events, self.kv_reset = {}, False
+        return reset, [h for h, cached in events.items() if not cached], [h for h, c in events.items() if c]
 
     def get_num_free_blocks(self) -> int:
         """Free blocks, including cached ones that would be evicted on reuse."""
@@ -119,6 +137,8 @@ class BlockPool:
         for block in blocks:
             if table.get(block.block_hash) is block:  # an unhashed block's None is no key
                 del table[block.block_hash]
+                if self.kv_events is not None:
+                    self.kv_events[block.block_hash] = False
             block.block_hash = None
             block.ref_cnt = 1
         return blocks
@@ -155,6 +175,8 @@ class BlockPool:
             if block_hash not in table:  # else an equal block is cached: keep that one
                 block.block_hash = block_hash
                 table[block_hash] = block
+                if self.kv_events is not None:
+                    self.kv_events[block_hash] = True
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
@@ -167,4 +189,6 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        if self.kv_events is not None:
+            self.kv_events, self.kv_reset = {}, True
         return True

@@ -2,34 +2,40 @@
 
 Load is what the front end knows without asking: the requests it sent a core that have not finished
 (that core's waiting + running), plus the core's KV-cache usage as of its last output, a full cache
-weighing as much as a full batch. Prefix affinity: for each core, the prompts routed to it lately, as
-the chained block hashes its prefix cache keys blocks by, in an LRU no larger than that cache. A prompt
-goes to the core holding its longest prefix unless that core's load exceeds the least by more than
-AFFINITY_SLACK of a batch; otherwise, and with nothing cached anywhere, to the least loaded core.
+weighing as much as a full batch. Prefix affinity: what each core's prefix cache holds, as the chained
+block hashes it keys blocks by, from the events its KV-cache manager publishes (blocks stored, evicted,
+the cache reset), plus the prompts of the requests it was sent and has not finished, which it will store
+as it computes them. A prompt goes to the core holding its longest prefix unless that core's load
+exceeds the least by more than AFFINITY_SLACK of a batch; otherwise, and with nothing cached anywhere, to
+the least loaded core.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from engine.kv_cache_manager import extend_block_hashes
+from engine.messages import KVCacheEvents
 
 AFFINITY_SLACK = 0.25  # of max_num_seqs: how much busier a core holding the prefix may be and still win
 
 
 class Coordinator:
-    """Invariant: `owner` maps every core request id the front end has sent and not seen finish (or
-    aborted) to its core, and `in_flight[i]` holds exactly the ids owned by core i."""
+    """Invariants: `owner` maps every core request id the front end has sent and not seen finish (or
+    aborted) to its core, and `in_flight[i]` holds exactly the ids owned by core i; `pending[i]` counts,
+    for each block hash, the prompts of core i's in-flight requests that have it; `cached[i]` is core i's
+    prefix cache as of the last events it sent."""
 
-    def __init__(self, num_cores: int, block_size: int, max_num_seqs: int, num_blocks: list[int]) -> None:
+    def __init__(self, num_cores: int, block_size: int, max_num_seqs: int) -> None:
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
         self.in_flight: list[set[str]] = [set() for _ in range(num_cores)]
         self.owner: dict[str, int] = {}
         self.kv_usage = [0.0] * num_cores
         self.live = [True] * num_cores
-        self.prefixes: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_cores)]
-        self.capacity = num_blocks
+        self.cached: list[set[bytes]] = [set() for _ in range(num_cores)]
+        self.pending: list[Counter[bytes]] = [Counter() for _ in range(num_cores)]
+        self.prompts: dict[str, list[bytes]] = {}  # in-flight request id -> its prompt's block hashes
 
     def load(self, core: int) -> float:
         return len(self.in_flight[core]) + self.kv_usage[core] * self.max_num_seqs
@@ -44,18 +50,14 @@ class Coordinator:
         limit = self.load(least) + AFFINITY_SLACK * self.max_num_seqs
         core, longest = least, 0
         for i in live:
-            cached = self._cached_blocks(i, hashes)
+            cached = self.cached_blocks(i, hashes)
             if cached > longest and self.load(i) <= limit:
                 core, longest = i, cached
-        lru = self.prefixes[core]
-        for h in hashes:
-            lru[h] = None
-            lru.move_to_end(h)
-        while len(lru) > self.capacity[core]:
-            lru.popitem(last=False)
         for rid in request_ids:
             self.owner[rid] = core
             self.in_flight[core].add(rid)
+            self.prompts[rid] = hashes
+            self.pending[core].update(hashes)
         return core
 
     def release(self, request_ids: Iterable[str]) -> dict[int, list[str]]:
@@ -65,21 +67,37 @@ class Coordinator:
             core = self.owner.pop(rid, None)
             if core is not None:
                 self.in_flight[core].discard(rid)
+                pending = self.pending[core]
+                for h in self.prompts.pop(rid):
+                    pending[h] -= 1
+                    if not pending[h]:  # no hash outlives the requests that have it
+                        del pending[h]
                 by_core.setdefault(core, []).append(rid)
         return by_core
+
+    def apply_events(self, core: int, events: KVCacheEvents) -> None:
+        """A core's prefix-cache changes since its last events, in order: reset, then evicted, then stored
+        (a block evicted and stored again within one step is cached)."""
+        cached = self.cached[core]
+        if events.reset:
+            cached.clear()
+        cached.difference_update(events.removed)
+        cached.update(events.stored)
 
     def core_died(self, core: int) -> list[str]:
         """Take a core out of routing; return the request ids it held (they can no longer finish)."""
         self.live[core] = False
         held = list(self.in_flight[core])
         self.release(held)
-        self.prefixes[core].clear()
+        self.cached[core].clear()
         return held
 
     def reset_prefixes(self) -> None:
-        for lru in self.prefixes:
-            lru.clear()
+        """Every core's prefix cache was reset (its events will say so too, with its next outputs)."""
+        for cached in self.cached:
+            cached.clear()
 
-    def _cached_blocks(self, core: int, hashes: list[bytes]) -> int:
-        lru = self.prefixes[core]
-        return next((n for n, h in enumerate(hashes) if h not in lru), len(hashes))
+    def cached_blocks(self, core: int, hashes: list[bytes]) -> int:
+        """How many leading blocks of a prompt (its block `hashes`) `core` holds or is computing."""
+        cached, pending = self.cached[core], self.pending[core]
+        return next((n for n, h in enumerate(hashes) if h not in cached and h not in pending), len(hashes))

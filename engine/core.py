@@ -31,6 +31,7 @@ from engine.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     Heartbeat,
+    KVCacheEvents,
     Shutdown,
     StartCore,
     UtilityCall,
@@ -252,6 +253,8 @@ class EngineCoreProc:
             if self.listen:  # this host's key, not the front end's path to its own
                 config = msgspec.structs.replace(config, cluster_key_file=self.key_file)
             self.core = EngineCore(config, start.model_dir, start.gguf_file)
+            if start.publish_kv_events:
+                self.core.scheduler.kv_cache_manager.block_pool.record_events()
         except Exception as e:
             logger.exception("engine core failed to start")
             self.send(CoreFailed(f"engine core failed to start: {type(e).__name__}: {e}", self.engine_index))
@@ -326,8 +329,10 @@ class EngineCoreProc:
         return True
 
     def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
-        usage = self.core.scheduler.kv_cache_manager.usage
-        self.send(EngineCoreOutputs(outputs, self.engine_index, usage))
+        pool = self.core.scheduler.kv_cache_manager.block_pool
+        events = pool.take_kv_events()
+        events = KVCacheEvents(*events) if events is not None else None
+        self.send(EngineCoreOutputs(outputs, self.engine_index, pool.usage, events))
 
     def _utility(self, call: UtilityCall) -> UtilityResult:
         result, error = None, f"unknown utility {call.method!r}"

@@ -79,7 +79,7 @@ class CoreClient:
             # A headless core has its host to itself; local ones share this one.
             rank = 0 if isinstance(core, RemoteCore) else core.index
             rank_config = msgspec.structs.replace(config, data_parallel_rank=rank)
-            start = m.StartCore(rank_config, model_dir, gguf_file, core.index)
+            start = m.StartCore(rank_config, model_dir, gguf_file, core.index, len(self.cores) > 1)
             if isinstance(core, RemoteCore):
                 core.start_frame = self.encoder.encode(start)
             self.send(core, start)
@@ -108,9 +108,8 @@ class CoreClient:
             self.check_alive()
             if all(core.ready for core in self.cores):
                 self.ready = ready = self.cores[0].ready
-                blocks = [core.ready.num_kv_blocks for core in self.cores]
                 c = ready.config
-                self.coordinator = Coordinator(len(self.cores), c.block_size, c.max_num_seqs, blocks)
+                self.coordinator = Coordinator(len(self.cores), c.block_size, c.max_num_seqs)
                 return ready
         self.shutdown()
         raise EngineDeadError(f"engine core did not become ready within {timeout:.0f} s")
@@ -170,6 +169,8 @@ class CoreClient:
         if isinstance(msg, m.EngineCoreOutputs):
             self.coordinator.release(o.request_id for o in msg.outputs if o.finished)
             self.coordinator.kv_usage[msg.engine_index] = msg.kv_cache_usage
+            if msg.kv_events is not None:
+                self.coordinator.apply_events(msg.engine_index, msg.kv_events)
             return msg.outputs
         if isinstance(msg, m.CoreFailed):
             core = self.cores[msg.engine_index]

@@ -72,6 +72,7 @@ class StartCore(msgspec.Struct, tag=True, array_like=True):
     model_dir: str
     gguf_file: str | None = None  # to convert into model_dir first (its first start)
     engine_index: int = 0  # which of the front end's engine cores (data parallelism) this one is
+    publish_kv_events: bool = False  # its prefix cache's changes, for the coordinator (several cores)
 
 
 class Heartbeat(msgspec.Struct, tag=True, array_like=True):
@@ -103,10 +104,20 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         return self.finish_reason is not None
 
 
+class KVCacheEvents(msgspec.Struct, array_like=True):
+    """A core's prefix-cache changes since its last ones (engine/block_pool.py): a reset first, then the
+    block hashes evicted and those stored; a hash is in one list at most."""
+
+    reset: bool
+    removed: list[bytes]
+    stored: list[bytes]
+
+
 class EngineCoreOutputs(msgspec.Struct, tag=True, array_like=True):
     outputs: list[EngineCoreOutput]
     engine_index: int = 0
     kv_cache_usage: float = 0.0  # as the step that produced these left it: load for the coordinator
+    kv_events: KVCacheEvents | None = None  # published for the coordinator when there are several cores
 
 
 class UtilityResult(msgspec.Struct, tag=True, array_like=True):

@@ -31,6 +31,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.bs = block_size
         self.kv = KVCacheManager(num_blocks, block_size)
         self.pool = self.kv.block_pool
+        self.pool.record_events()
+        self.mirror: set[bytes] = set()  # the cache as a coordinator sees it from the events
         self.requests: dict[str, Request] = {}  # live: waiting or holding blocks
         self.tables: dict[str, list[int]] = {}  # block tables of the requests holding blocks
         self.shadow: dict[int, list] = {b: [None] * block_size for b in range(num_blocks)}
@@ -250,6 +252,17 @@ class KVCacheMachine(RuleBasedStateMachine):
                 if now.get(h) != bid:
                     assert bid in self.reused, f"hash of block {bid} vanished without eviction"
         self.prev_cache, self.reused, self.was_reset = now, set(), False
+
+    @invariant()
+    def events_give_the_cache(self) -> None:
+        if (events := self.pool.take_kv_events()) is not None:
+            reset, removed, stored = events
+            assert not set(removed) & set(stored)
+            if reset:
+                self.mirror.clear()
+            self.mirror.difference_update(removed)
+            self.mirror.update(stored)
+        assert self.mirror == set(self.pool.cached_block_hash_to_block)
 
     @invariant()
     def computed_tokens_bounded(self) -> None:

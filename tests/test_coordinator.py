@@ -4,12 +4,14 @@ bookkeeping that a finished, aborted or orphaned request leaves behind."""
 from __future__ import annotations
 
 from engine.coordinator import AFFINITY_SLACK, Coordinator
+from engine.kv_cache_manager import extend_block_hashes
+from engine.messages import KVCacheEvents
 
 BS = 4
 
 
 def make(cores: int = 2, seqs: int = 8) -> Coordinator:
-    return Coordinator(cores, BS, seqs, [100] * cores)
+    return Coordinator(cores, BS, seqs)
 
 
 def test_least_loaded_core_takes_unrelated_prompts():
@@ -61,7 +63,32 @@ def test_a_dead_core_hands_back_its_requests_and_gets_no_more():
     assert {c.route([50 + i] * 9, None, [f"n{i}"]) for i in range(5)} == {0}
 
 
-def test_the_prefix_memory_is_no_larger_than_the_cores_cache():
-    c = Coordinator(1, BS, 8, [5])
-    c.route(list(range(40 * BS)), None, ["long"])
-    assert len(c.prefixes[0]) == 5
+def hashes(tokens: list[int], salt: str | None = None) -> list[bytes]:
+    out: list[bytes] = []
+    extend_block_hashes(out, tokens, BS, salt)
+    return out
+
+
+def test_affinity_follows_what_each_core_reports_it_caches():
+    c = make(2)
+    system = list(range(3 * BS))
+    c.apply_events(1, KVCacheEvents(False, [], hashes(system)))  # core 1 cached it for someone else
+    assert c.route([*system, 1], None, ["a"]) == 1
+    c.release(["a"])
+    c.apply_events(1, KVCacheEvents(False, hashes(system)[1:], []))  # evicted but its first block
+    c.apply_events(0, KVCacheEvents(False, [], hashes(system)[:2]))
+    assert c.route([*system, 2], None, ["b"]) == 0  # two blocks beat one
+    c.release(["b"])
+    c.apply_events(0, KVCacheEvents(True, [], []))  # core 0's cache reset
+    assert c.cached_blocks(0, hashes(system)) == 0 and c.cached_blocks(1, hashes(system)) == 1
+
+
+def test_a_prompt_in_flight_counts_as_cached_until_it_finishes_and_leaves_nothing_behind():
+    c = make(2)
+    system = list(range(2 * BS))
+    first = c.route([*system, 1], None, ["a-0", "a-1"])
+    c.route([7], None, ["pad"])  # even out the load
+    assert c.route([*system, 2], None, ["b"]) == first  # not reported cached yet: it is being computed
+    c.release(["a-0", "a-1", "b", "pad"])
+    assert c.pending == [{}, {}] and not c.prompts  # never stored: nothing is remembered
+    assert c.cached_blocks(first, hashes(system)) == 0

@@ -195,6 +195,8 @@ def test_a_prompt_goes_to_the_core_that_caches_its_prefix_though_another_is_idle
                 pass
 
         await finish(prefix + " first", max_tokens=1)  # both idle: core 0, which now caches the prefix
+        view = llm.client.coordinator.cached  # what the cores report they cache
+        assert view[0] and not view[1]
         busy = asyncio.ensure_future(finish("unrelated", max_tokens=400, ignore_eos=True))  # core 0 again
         await asyncio.sleep(0.5)
         before = (await llm.get_stats())["engines"]

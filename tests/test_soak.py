@@ -7,7 +7,7 @@ from server.bench import soak
 def test_a_server_soaked_by_misbehaving_clients_comes_back_whole(tiny_chat_model, tmp_path):
     # With overlapped scheduling, whose steps in flight make aborts and disconnects the harder case.
     flags = ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory", "50000000", "--async-scheduling"]
-    result = soak.run(tiny_chat_model, flags, requests=200, duration_s=25, clients=64, log=tmp_path / "log")
+    result = soak.run(tiny_chat_model, flags, requests=150, duration_s=18, clients=64, log=tmp_path / "log")
     report = soak.format_report(result) + "\n" + (tmp_path / "log").read_text()[-3000:]
     assert result["ok"], report
     kinds = {outcome.split()[0] for outcome in result["outcomes"]}
@@ -29,7 +29,7 @@ def test_the_attack_bench_measures_good_clients_beside_every_attack(tiny_chat_mo
     from server.bench import attack
 
     flags = ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory", "50000000"]
-    result = attack.run(tiny_chat_model, flags, duration_s=8, baseline_s=3, good=2, log=tmp_path / "log")
+    result = attack.run(tiny_chat_model, flags, duration_s=5, baseline_s=2, good=2, log=tmp_path / "log")
     report = attack.format_report(result) + "\n" + (tmp_path / "log").read_text()[-3000:]
     good = result["good"]
     assert good["alone"]["completed"] > 0 and good["attacked"]["completed"] > 0, report

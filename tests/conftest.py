@@ -101,6 +101,15 @@ def smollm2_hf(smollm2_dir):
 
 
 @pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """One live `kiln serve` of the default model for tests/test_server.py and tests/test_responses.py."""
+    from tests.test_server import live_server
+
+    with live_server(tmp_path_factory) as live:
+        yield live
+
+
+@pytest.fixture(scope="session")
 def tiny_chat_model(tmp_path_factory, smollm2_dir):
     """A random-weight 2-layer Llama with SmolLM2's tokenizer and chat template: fast, real text path."""
     import shutil

@@ -114,6 +114,15 @@ def test_the_core_stays_when_its_front_end_is_pid_1(monkeypatch):
 
 @pytest.fixture
 def async_engine(tiny_chat_model):
+    """An engine of the test's own: for tests that break it."""
+    llm = AsyncLLM(tiny_chat_model, **ENGINE)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def shared_engine(tiny_chat_model):
+    """One engine for the tests that leave it as they found it."""
     llm = AsyncLLM(tiny_chat_model, **ENGINE)
     yield llm
     llm.shutdown()
@@ -239,14 +248,16 @@ def test_a_front_end_holding_its_limit_refuses_more_until_one_finishes(tiny_chat
     assert [len(f[-1].outputs[0].token_ids) for f in firsts] == [400, 400] and outs[-1].finished
 
 
-def test_a_reader_that_falls_behind_holds_one_merged_output(async_engine):
+def test_a_reader_that_falls_behind_holds_one_merged_output(shared_engine):
     """Outputs a stream's reader has not taken are merged, not queued: one waits, carrying every delta."""
 
     async def go():
-        stream = async_engine.generate("Tell me", SamplingParams(max_tokens=200, ignore_eos=True, logprobs=1))
+        stream = shared_engine.generate(
+            "Tell me", SamplingParams(max_tokens=200, ignore_eos=True, logprobs=1)
+        )
         first = await anext(stream)
         rid = first.request_id
-        while rid in async_engine.output_processor.requests:  # the engine runs on; nobody reads
+        while rid in shared_engine.output_processor.requests:  # the engine runs on; nobody reads
             await asyncio.sleep(0.05)
         rest = [out async for out in stream]
         return first, rest
@@ -259,12 +270,12 @@ def test_a_reader_that_falls_behind_holds_one_merged_output(async_engine):
     assert a.delta_logprobs + b.delta_logprobs == b.logprobs
 
 
-def test_requests_share_cached_prefixes_only_within_their_cache_salt(async_engine):
+def test_requests_share_cached_prefixes_only_within_their_cache_salt(shared_engine):
     prompt = list(range(1, 130))  # two full pages of 64 tokens, and one more token
 
     async def cached(salt: str | None) -> int:
-        request = async_engine.process(prompt, SamplingParams(max_tokens=1), cache_salt=salt)
-        outs = [o async for o in async_engine.generate(request)]
+        request = shared_engine.process(prompt, SamplingParams(max_tokens=1), cache_salt=salt)
+        outs = [o async for o in shared_engine.generate(request)]
         return outs[-1].num_cached_tokens
 
     async def go():
@@ -349,18 +360,18 @@ def read_reply(conn, marker: bytes) -> bytes:
     return reply
 
 
-def test_a_big_step_is_detokenized_in_chunks_between_which_the_loop_runs(async_engine, monkeypatch):
+def test_a_big_step_is_detokenized_in_chunks_between_which_the_loop_runs(shared_engine, monkeypatch):
     from engine import async_llm
     from engine.messages import EngineCoreOutput
 
     events: list = []
-    process = async_engine.output_processor.process_outputs
+    process = shared_engine.output_processor.process_outputs
 
     def recorded(outputs):
         events.append(len(outputs))
         return process(outputs)
 
-    monkeypatch.setattr(async_engine.output_processor, "process_outputs", recorded)
+    monkeypatch.setattr(shared_engine.output_processor, "process_outputs", recorded)
 
     async def go():
         async def tick():
@@ -370,7 +381,7 @@ def test_a_big_step_is_detokenized_in_chunks_between_which_the_loop_runs(async_e
 
         ticker = asyncio.ensure_future(tick())
         await asyncio.sleep(0)
-        await async_engine._on_outputs([EngineCoreOutput(f"x{i}", [1]) for i in range(100)])
+        await shared_engine._on_outputs([EngineCoreOutput(f"x{i}", [1]) for i in range(100)])
         ticker.cancel()
         return events
 

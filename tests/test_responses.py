@@ -1,8 +1,8 @@
 """POST /v1/responses: OpenAI's Responses API over the chat path.
 
 In-process over a fake engine (the input conversion, the event stream's shape, the 400s, the SDK's parsing),
-then live: one `kiln serve` of the default model for the module (tests/test_server.py's fixtures), driven
-by the `openai` SDK, whose greedy replies must equal /v1/chat/completions' for the same conversation.
+then live: one `kiln serve` of the default model (tests/conftest.py's, shared with tests/test_server.py),
+driven by the `openai` SDK, whose greedy replies must equal /v1/chat/completions' for the same conversation.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from starlette.testclient import TestClient
 from engine.errors import EngineDeadError
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from server.api import build_app
-from tests.test_server import MODEL, client, server  # noqa: F401  (module-scoped fixtures)
+from tests.test_server import MODEL, client  # noqa: F401  (a module-scoped fixture)
 from tests.test_server_app import (
     ByteTokenizer,
     FakeLLM,

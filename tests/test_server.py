@@ -9,6 +9,7 @@ The client side does no heavy torch work while the server computes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -61,8 +63,10 @@ class LiveServer:
         return self.log.read_text(errors="replace")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@contextlib.contextmanager
+def live_server(tmp_path_factory) -> Iterator[LiveServer]:
+    """`kiln serve` of the default model (tests/conftest.py: the `server` fixture, one for the session:
+    this module's tests and tests/test_responses.py's share it)."""
     log = tmp_path_factory.mktemp("server") / "server.log"
     env = {k: v for k, v in os.environ.items() if k != "KILN_API_KEY"}
     with launch(None, SERVER_ARGS, timeout=300, log=log, env=env) as (url, proc):
@@ -152,7 +156,8 @@ def test_embeddings_rank_a_paraphrase_first_and_equal_transformers(client, http,
     floats = http.post("/v1/embeddings", json={"input": texts, "encoding_format": "float"}).json()
     e = torch.tensor([d.embedding for d in r.data])
     assert [d.index for d in r.data] == [0, 1, 2] and e.shape == (3, smollm2_hf.config.hidden_size)
-    assert torch.allclose(e, torch.tensor([d["embedding"] for d in floats["data"]]))
+    # The same floats but for the batch's kernels: another step may group the prompts otherwise.
+    assert torch.allclose(e, torch.tensor([d["embedding"] for d in floats["data"]]), atol=1e-5)
     assert torch.allclose(e.norm(dim=1), torch.ones(3), atol=1e-5)
     assert e[0] @ e[1] > e[0] @ e[2]
     ids = [http.post("/tokenize", json={"prompt": t}).json()["tokens"] for t in texts]

@@ -145,9 +145,14 @@ def _share_cores(share: int, shares: int, num_threads: int | None) -> int:
 def _exit_when_gone(monitor, stopping: threading.Event, rank: int) -> None:
     """Exit the process once `monitor` sees the core's connection end, unless it asked us to stop: its
     last Shutdown can arrive together with its disconnect."""
-    monitor.recv_multipart()
+    import zmq.utils.monitor
+
+    import engine.cluster as cluster
+
+    event = zmq.utils.monitor.recv_monitor_message(monitor)["event"]
     if not stopping.wait(2.0):
-        print(f"worker {rank}: the engine core went away", file=sys.stderr, flush=True)
+        why = "refused this worker's key" if event & cluster.HANDSHAKE_FAILED else "went away"
+        print(f"worker {rank}: the engine core {why}", file=sys.stderr, flush=True)
         os._exit(1)
 
 
@@ -192,7 +197,7 @@ def main() -> None:
     inputs.setsockopt(zmq.SUBSCRIBE, WORKER_TOPIC + f"{rank} on {socket.gethostname()}".encode())
     stopping = threading.Event()
     # The core gone (however it ends, or its host silent) ends this worker, even inside a collective.
-    gone = inputs.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    gone = inputs.get_monitor_socket(zmq.EVENT_DISCONNECTED | cluster.HANDSHAKE_FAILED)
     threading.Thread(target=_exit_when_gone, args=(gone, stopping, rank), daemon=True).start()
     cluster.connect(inputs, args.inputs, key)
     cluster.connect(outputs, args.outputs, key)

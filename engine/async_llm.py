@@ -244,8 +244,9 @@ class AsyncLLM(FrontEnd):
 
     async def reset_prefix_cache(self) -> bool:
         self._ensure_reader()
-        self.client.coordinator.reset_prefixes()
-        return all((await self.client.call_utility("reset_prefix_cache")).values())
+        done = await self.client.call_utility("reset_prefix_cache")
+        self.client.coordinator.reset_prefixes(i for i, ok in done.items() if ok)
+        return all(done.values())
 
     def shutdown(self) -> None:
         if getattr(self, "_reader", None) is not None:

@@ -92,10 +92,10 @@ class Coordinator:
         self.cached[core].clear()
         return held
 
-    def reset_prefixes(self) -> None:
-        """Every core's prefix cache was reset (its events will say so too, with its next outputs)."""
-        for cached in self.cached:
-            cached.clear()
+    def reset_prefixes(self, cores: Iterable[int]) -> None:
+        """These cores' prefix caches were reset (their events will say so too, with their next outputs)."""
+        for core in cores:
+            self.cached[core].clear()
 
     def cached_blocks(self, core: int, hashes: list[bytes]) -> int:
         """How many leading blocks of a prompt (its block `hashes`) `core` holds or is computing."""

@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -22,6 +21,7 @@ import zmq
 from engine import cluster
 from engine.config import EngineConfig
 from engine.executor import StepResult, make_executor, worker_class
+from engine.headless import HOST_FAILED
 from engine.messages import (
     AbortRequests,
     CoreFailed,
@@ -210,24 +210,26 @@ class EngineCore:
 
 class EngineCoreProc:
     """EngineCore behind two zmq sockets: PULL for inputs, PUSH for outputs. A local core connects to its
-    front end's sockets; a headless one (`listen`) binds its own, for its cluster's peers only
-    (engine/cluster.py), and stops once its front end has been silent for FRONT_END_SILENCE_S."""
+    front end's sockets. A headless one (`listen`) binds its own, for its cluster's peers only
+    (engine/cluster.py), its outputs a ROUTER that sends only to the front end whose StartCore it took
+    (its session); it stops once that front end has been silent for FRONT_END_SILENCE_S, or when
+    another front end's StartCore comes, for its host to start a fresh core."""
 
     def __init__(
         self, input_addr: str, output_addr: str, listen: bool = False, key_file: str | None = None
     ) -> None:
         self.ctx = zmq.Context(io_threads=1)
         self.input = self.ctx.socket(zmq.PULL)
-        self.output = self.ctx.socket(zmq.PUSH)
+        self.output = self.ctx.socket(zmq.ROUTER if listen else zmq.PUSH)
         self.listen, self.key_file, self.auth, self.refused = listen, key_file, None, []
+        self.session: bytes | None = None
         if listen:
             key = cluster.load_key(key_file)
-            self.output.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)  # a front end gone can't block us
+            self.auth = cluster.authenticator(self.ctx, key)  # before the first peer can connect
             self.refused = [cluster.RefusedConnections(self.input, input_addr)]
             self.refused.append(cluster.RefusedConnections(self.output, output_addr))
             cluster.listen(self.input, input_addr, key)
             cluster.listen(self.output, output_addr, key)
-            self.auth = cluster.authenticator(self.ctx, key)
         else:
             self.input.connect(input_addr)
             self.output.connect(output_addr)
@@ -238,17 +240,21 @@ class EngineCoreProc:
         self.last_heard = time.monotonic()
 
     def send(self, msg) -> None:
-        self.output.send(self.encoder.encode(msg), copy=False)
+        frame = self.encoder.encode(msg)
+        if not self.listen:
+            self.output.send(frame, copy=False)
+        elif self.session is not None:  # a ROUTER drops what its front end, gone, cannot take
+            self.output.send_multipart([self.session, frame], copy=False)
 
     def run(self) -> None:
         try:
             worker_class().prepare()  # seconds of imports that overlap the front end's own start
             start = self._receive()
-            while not isinstance(start, StartCore):  # a front end's heartbeat may come first
+            while not isinstance(start, StartCore):  # heartbeats, or what a core before this one missed
                 if not isinstance(start, Heartbeat | None):
-                    raise RuntimeError(f"expected StartCore first, got {type(start).__name__}")
+                    logger.warning("dropped %s: StartCore comes first", type(start).__name__)
                 start = self._receive()
-            self.engine_index = start.engine_index
+            self.engine_index, self.session = start.engine_index, start.session
             config = start.config
             if self.listen:  # this host's key, not the front end's path to its own
                 config = msgspec.structs.replace(config, cluster_key_file=self.key_file)
@@ -280,12 +286,14 @@ class EngineCoreProc:
         """The next input (zmq.Again if NOBLOCK finds none); None for a frame that is not one, which is
         logged and dropped."""
         frame = self.input.recv(flags)
-        self.last_heard = time.monotonic()
         try:
-            return self.decoder.decode(frame)
+            msg = self.decoder.decode(frame)
         except msgspec.MsgspecError as e:
             logger.warning("dropped a malformed input frame (%d bytes): %s", len(frame), e)
             return None
+        if not isinstance(msg, Heartbeat) or msg.session == self.session:
+            self.last_heard = time.monotonic()
+        return msg
 
     def _front_end_left(self) -> bool:
         """A headless core's front end is gone once it has been silent for FRONT_END_SILENCE_S (it sends a
@@ -304,8 +312,6 @@ class EngineCoreProc:
         while block and not self.input.poll(POLL_MS):
             if self._front_end_left():
                 return False
-        if not block and self._front_end_left():
-            return False
         flags = 0 if block else zmq.NOBLOCK
         while True:
             try:
@@ -321,12 +327,13 @@ class EngineCoreProc:
                 self.send(self._utility(msg))
             elif isinstance(msg, Shutdown):
                 return False
-            elif isinstance(msg, StartCore):  # engine/core_procs.py: RemoteCore
+            elif isinstance(msg, StartCore) and msg.session != self.session:  # engine/core_procs.py
                 logger.warning("another front end connected: stopping, for a fresh engine core to serve it")
                 return False
         if outputs:
             self._send_outputs(outputs)
-        return True
+        # Checked once the queue is drained: a step longer than the silence left heartbeats waiting in it.
+        return block or not self._front_end_left()
 
     def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         pool = self.core.scheduler.kv_cache_manager.block_pool
@@ -344,20 +351,6 @@ class EngineCoreProc:
         return UtilityResult(call.call_id, result, error, self.engine_index)
 
 
-def serve_headless(address: str, key_file: str | None = None) -> int:
-    """`kiln serve --headless`: keep an engine core listening at `address` for a front end, a fresh one
-    after each front end leaves, until stopped. A core that fails at once (its port taken) ends it."""
-    cluster.check_listen(address, cluster.load_key(key_file))  # here, not in each core
-    logger.info("headless engine core at %s and the port after it; waiting for a front end", address)
-    key = ["--cluster-key-file", key_file] if key_file else []
-    while True:
-        started = time.monotonic()
-        code = subprocess.call([sys.executable, "-m", "engine.core", "--listen", address, *key])
-        if code > 0 and time.monotonic() - started < 10:  # not killed: failing at start
-            logger.error("the engine core exited with code %d", code)
-            return code
-
-
 def main() -> None:
     """`python -m engine.core IN OUT PARENT_PID`, started by a front end, or `--listen tcp://HOST:PORT
     [--cluster-key-file FILE]`, headless: waiting there (and on PORT+1) for a front end, until it leaves."""
@@ -372,7 +365,15 @@ def main() -> None:
         key_file = sys.argv[4] if len(sys.argv) > 4 else None
         die_with_parent(os.getppid())  # `kiln serve --headless`, which restarts it for the next front end
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        EngineCoreProc(sys.argv[2], f"tcp://{host}:{int(port) + 1}", listen=True, key_file=key_file).run()
+        try:
+            proc = EngineCoreProc(
+                sys.argv[2], f"tcp://{host}:{int(port) + 1}", listen=True, key_file=key_file
+            )
+            worker_class().prepare()
+        except Exception:
+            logger.exception("the headless engine core cannot start")
+            sys.exit(HOST_FAILED)
+        proc.run()
         return
     parent = int(sys.argv[3])
     die_with_parent(parent)

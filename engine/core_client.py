@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+import uuid
 import weakref
 from typing import Any
 
@@ -49,18 +50,24 @@ class CoreClient:
         out_addr = f"ipc://{self.ipc_dir}/out"
         self.ctx = zmq.Context()
         self.ctx.setsockopt(zmq.LINGER, 0)  # closing never waits for unsent messages
-        self.output = self.ctx.socket(zmq.PULL)
+        remote = bool(config.engine_core_addresses)
+        # Headless cores route their outputs to the front end that started them: this one's session.
+        self.session = f"kiln-{uuid.uuid4().hex}".encode()
+        self.output = self.ctx.socket(zmq.DEALER if remote else zmq.PULL)
+        if remote:
+            self.output.setsockopt(zmq.ROUTING_ID, self.session)
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(m.CoreOutput)
         self.dead: str | None = None
         self.heartbeats: cluster.Heartbeats | None = None
-        if config.engine_core_addresses:
+        if remote:
             addresses = config.engine_core_addresses.split(",")
             key = cluster.load_key(config.cluster_key_file)
             self.cores = [RemoteCore(self.ctx, i, address, key) for i, address in enumerate(addresses)]
             for core in self.cores:
                 cluster.connect(self.output, core.output_address, key)
-            self.heartbeats = cluster.Heartbeats(self.ctx, addresses, key, self.encoder.encode(m.Heartbeat()))
+            heartbeat = self.encoder.encode(m.Heartbeat(self.session))
+            self.heartbeats = cluster.Heartbeats(self.ctx, addresses, key, heartbeat)
         else:
             self.output.bind(out_addr)
             n = config.data_parallel_size
@@ -79,7 +86,8 @@ class CoreClient:
             # A headless core has its host to itself; local ones share this one.
             rank = 0 if isinstance(core, RemoteCore) else core.index
             rank_config = msgspec.structs.replace(config, data_parallel_rank=rank)
-            start = m.StartCore(rank_config, model_dir, gguf_file, core.index, len(self.cores) > 1)
+            kv_events = len(self.cores) > 1
+            start = m.StartCore(rank_config, model_dir, gguf_file, core.index, kv_events, self.session)
             if isinstance(core, RemoteCore):
                 core.start_frame = self.encoder.encode(start)
             self.send(core, start)

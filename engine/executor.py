@@ -131,14 +131,18 @@ class MultiprocExecutor(Executor):
         self.inputs = self.ctx.socket(zmq.XPUB)
         self.inputs.setsockopt(zmq.XPUB_VERBOSER, 1)
         self.replies = self.ctx.socket(zmq.PULL)
-        self.ipc_dir, self.procs, self.auth = None, [], None
+        self.ipc_dir, self.procs, self.auth, self.refused = None, [], None, []
         if config.worker_address:  # workers started elsewhere (torchrun) connect to these
             in_addr, out_addr = worker_sockets(config.worker_address)
             self.inputs.setsockopt(zmq.LINGER, 2000)  # the last Shutdown still reaches them as we stop
             key = cluster.load_key(config.cluster_key_file)
+            self.auth = cluster.authenticator(self.ctx, key)  # before the first peer can connect
+            self.refused = [
+                cluster.RefusedConnections(s, a)
+                for s, a in ((self.inputs, in_addr), (self.replies, out_addr))
+            ]
             cluster.listen(self.inputs, in_addr, key)
             cluster.listen(self.replies, out_addr, key)
-            self.auth = cluster.authenticator(self.ctx, key)
         else:
             self.ipc_dir = tempfile.mkdtemp(prefix="kiln-workers-")
             in_addr, out_addr = f"ipc://{self.ipc_dir}/in", f"ipc://{self.ipc_dir}/out"
@@ -174,6 +178,8 @@ class MultiprocExecutor(Executor):
         while len(self.workers) < size:
             self.inputs.poll(POLL_MS)
             self._check_alive()
+            for refused in self.refused:  # a worker with another key waits here: say why
+                refused.log()
 
     def _send(self, msg: m.WorkerInput) -> None:
         self.inputs.send(self.encoder.encode(msg), copy=False)

@@ -122,8 +122,9 @@ class LLM(FrontEnd):
         return self.merge_stats(self.client.call_utility("stats"))
 
     def reset_prefix_cache(self) -> bool:
-        self.client.coordinator.reset_prefixes()
-        return all(self.client.call_utility("reset_prefix_cache").values())
+        done = self.client.call_utility("reset_prefix_cache")
+        self.client.coordinator.reset_prefixes(i for i, ok in done.items() if ok)
+        return all(done.values())
 
 
 def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

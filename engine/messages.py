@@ -73,10 +73,13 @@ class StartCore(msgspec.Struct, tag=True, array_like=True):
     gguf_file: str | None = None  # to convert into model_dir first (its first start)
     engine_index: int = 0  # which of the front end's engine cores (data parallelism) this one is
     publish_kv_events: bool = False  # its prefix cache's changes, for the coordinator (several cores)
+    session: bytes = b""  # a headless core's front end: the routing id its outputs go to
 
 
 class Heartbeat(msgspec.Struct, tag=True, array_like=True):
     """A front end's sign of life to a headless core, which stops once they cease (engine/cluster.py)."""
+
+    session: bytes = b""  # the front end's StartCore.session: another front end's heartbeat is not one
 
 
 CoreInput = EngineCoreRequest | AbortRequests | UtilityCall | Shutdown | StartCore | Heartbeat

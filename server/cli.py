@@ -64,7 +64,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.headless:
-        from engine.core import serve_headless
+        from engine.headless import serve_headless
 
         key_file = args.cluster_key_file
         args.cluster_key_file = None  # this host's own, not an engine flag from the front end

@@ -128,9 +128,9 @@ def fails_within(llm: LLM, seconds: float, address: str) -> None:
 def test_a_headless_core_serves_only_its_cluster_and_its_vanishing_fails_requests_within_seconds(
     tiny_chat_model, tmp_path
 ):
-    """Strangers at a headless core's ports read and steer nothing; a front end with the key gets the
-    one-process output; a core stopped (as a vanished host would be) or killed fails requests within
-    10 s; a stopped core, resumed, finds its front end gone and gives way to a fresh one."""
+    """Strangers at a headless core's ports read and steer nothing, nor does another key holder; a front
+    end with the key gets the one-process output; a core stopped (as a vanished host would be) or killed
+    fails requests within 10 s; a stopped core, resumed, gives way to the next front end's fresh core."""
     with LLM(tiny_chat_model, **ENGINE) as llm:
         expected = [o.outputs[0].text for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     port, key = listening_port(), key_file(tmp_path)
@@ -149,10 +149,19 @@ def test_a_headless_core_serves_only_its_cluster_and_its_vanishing_fails_request
         pulls += strangers(port)
         with pytest.raises(EngineDeadError, match="refused this front end's key"):
             LLM(tiny_chat_model, **dict(remote, cluster_key_file=key_file(tmp_path, "y" * 20)))
-        llm = LLM(tiny_chat_model, **remote)
         cluster.connect(junk, address, cluster.load_key(key))
+        junk.send(msgspec.msgpack.encode(m.AbortRequests(["x"])))  # before any StartCore: dropped
+        deadline = time.monotonic() + 30
+        while b"dropped AbortRequests: StartCore comes first" not in (tmp_path / "host.log").read_bytes():
+            assert time.monotonic() < deadline, "the core did not drop a frame sent before StartCore"
+            time.sleep(0.1)
+        llm = LLM(tiny_chat_model, **remote)
         junk.send(b"\xc1 not msgpack")  # a member's malformed frame is dropped
         pulls += strangers(port)
+        other = zmq.Context.instance().socket(zmq.DEALER)  # a member, but not the core's front end
+        other.setsockopt(zmq.ROUTING_ID, b"kiln-another-front-end")
+        cluster.connect(other, f"tcp://127.0.0.1:{port + 1}", cluster.load_key(key))
+        pulls.append(other)
         assert [o.outputs[0].text for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
         assert not any(pull.poll(0) for pull in pulls)
         core = headless_core(host)

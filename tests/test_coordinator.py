@@ -81,6 +81,9 @@ def test_affinity_follows_what_each_core_reports_it_caches():
     c.release(["b"])
     c.apply_events(0, KVCacheEvents(True, [], []))  # core 0's cache reset
     assert c.cached_blocks(0, hashes(system)) == 0 and c.cached_blocks(1, hashes(system)) == 1
+    c.reset_prefixes([1])  # a reset that core 1 did (core 0 refused: it held blocks) clears only its view
+    c.apply_events(0, KVCacheEvents(False, [], hashes(system)))
+    assert c.cached_blocks(0, hashes(system)) == 3 and c.cached_blocks(1, hashes(system)) == 0
 
 
 def test_a_prompt_in_flight_counts_as_cached_until_it_finishes_and_leaves_nothing_behind():

@@ -1,0 +1,35 @@
+"""`kiln serve --headless`: the host of an engine core that front ends on other hosts connect to.
+
+It keeps one core process listening (`python -m engine.core --listen`, engine/core.py) and starts a
+fresh one whenever the last one ends: its front end left, another took over, or the core failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+
+from engine import cluster
+
+HOST_FAILED = 3  # a headless core's exit code when it cannot listen or import its worker
+
+logger = logging.getLogger("kiln.core")
+
+
+def serve_headless(address: str, key_file: str | None = None) -> int:
+    """`kiln serve --headless`: keep an engine core listening at `address` for a front end, a fresh one
+    after each front end leaves (or its core fails), until stopped. A core that cannot listen or import
+    its worker (HOST_FAILED) ends it: no other would fare better."""
+    cluster.check_listen(address, cluster.load_key(key_file))  # here, not in each core
+    logger.info("headless engine core at %s and the port after it; waiting for a front end", address)
+    key = ["--cluster-key-file", key_file] if key_file else []
+    while True:
+        code = subprocess.call([sys.executable, "-m", "engine.core", "--listen", address, *key])
+        if code == HOST_FAILED:
+            logger.error("the engine core cannot run on this host (exit code %d)", code)
+            return code
+        if code != 0:
+            logger.warning("the engine core exited with code %d: starting a fresh one", code)
+            time.sleep(1.0)  # a core that keeps failing does not spin

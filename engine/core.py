@@ -155,7 +155,10 @@ class EngineCore:
             done, self.in_flight = self.in_flight, None if so.is_empty else (so, launched)
             if done is None:
                 return failed
-            so, runner_output = done[0], done[1].result()
+            runner_output = done[1].result()
+            if so.is_empty:  # its answer comes next (workers answer in order): taken now, not left behind
+                launched.result()
+            so = done[0]
         else:
             start = time.perf_counter()
             runner_output = self.executor.execute_model(so)

@@ -50,7 +50,6 @@ logger = logging.getLogger("kiln.core")
 STATS_INTERVAL_S = 5.0
 POLL_MS = 200  # how often a headless core waiting for input checks that its front end is still there
 FRONT_END_SILENCE_S = 10.0
-SEND_TIMEOUT_MS = 30_000
 # Prompts that arrive together (clients that started together come back together) are prefilled in full
 # steps while the streams they started are in their first tokens: a pause or two early in each of those
 # streams instead of a capped step beside them until the last prompt of the burst is in.

@@ -127,9 +127,8 @@ def tiny_chat_model(tmp_path_factory, smollm2_dir):
     return str(path)
 
 
-def engine_core_children() -> list[int]:
-    """Engine-core processes whose parent is this test process."""
-    import os
+def children_of(parent: int, marker: str) -> list[int]:
+    """The processes whose parent is `parent` and whose command line holds `marker`."""
     from pathlib import Path
 
     found = []
@@ -141,9 +140,16 @@ def engine_core_children() -> list[int]:
             ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if "engine.core" in cmd and ppid == os.getpid():
+        if marker in cmd and ppid == parent:
             found.append(int(proc.name))
     return found
+
+
+def engine_core_children() -> list[int]:
+    """Engine-core processes whose parent is this test process."""
+    import os
+
+    return children_of(os.getpid(), "engine.core")
 
 
 def engine_core_of(pid: int) -> int:

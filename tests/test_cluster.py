@@ -22,6 +22,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.llm import LLM, SamplingParams
 from server import cli
+from tests.conftest import children_of
 from tests.test_data_parallel import listening_port
 from tests.test_server_lifecycle import ROOT
 
@@ -109,13 +110,8 @@ def test_listening_beyond_loopback_needs_a_key(tmp_path, capsys, monkeypatch):
 
 def headless_core(host: subprocess.Popen) -> int:
     """The pid of the engine core a headless host runs (its child)."""
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == host.pid:
-                return int(proc.name)
-        except (OSError, ValueError, IndexError):
-            continue
-    raise AssertionError("the headless host runs no engine core")
+    (core,) = children_of(host.pid, "engine.core")
+    return core
 
 
 def fails_within(llm: LLM, seconds: float, address: str) -> None:

@@ -27,7 +27,7 @@ from engine.executor import MultiprocExecutor
 from engine.llm import LLM
 from engine.params import SamplingParams
 from engine.step import SchedulerOutput
-from tests.conftest import TINY, engine_core_children
+from tests.conftest import TINY, children_of, engine_core_children
 
 PROMPTS = [[(7 * i + 13 * j) % 300 + 3 for j in range(5 + 9 * i)] for i in range(8)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, prompt_logprobs=2)
@@ -163,16 +163,7 @@ def test_a_step_crosses_to_the_workers_intact():
 
 
 def workers_of(core: int) -> list[int]:
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if "compiled.worker" in cmd and ppid == core:
-            found.append(int(proc.name))
-    return found
+    return children_of(core, "compiled.worker")
 
 
 def test_a_dead_worker_fails_the_engine_and_leaves_no_process(models):

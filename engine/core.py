@@ -41,13 +41,13 @@ from engine.processes import die_with_parent
 from engine.proposer import make_proposer
 from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.stat_logger import StatLogger
 from engine.step import SchedulerOutput
 from engine.step_budget import StepBudget
 from engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("kiln.core")
 
-STATS_INTERVAL_S = 5.0
 POLL_MS = 200  # how often a headless core waiting for input checks that its front end is still there
 FRONT_END_SILENCE_S = 10.0
 # Prompts that arrive together (clients that started together come back together) are prefilled in full
@@ -94,9 +94,7 @@ class EngineCore:
         self.step_budget = StepBudget(*budget) if c.step_stretch else None
         self.scheduled_time: dict[str, float] = {}
         self.in_flight: tuple[SchedulerOutput, StepResult] | None = None  # async_scheduling's last step
-        self._tokens = [0, 0]  # prompt, generation tokens since the last stats line
-        self._spec = (0, 0)  # verifications and accepted drafts at the last stats line
-        self._last_stats = time.monotonic()
+        self.stat_logger = StatLogger()
 
     def ready_message(self, engine_index: int) -> CoreReady:
         e = self.executor
@@ -164,11 +162,10 @@ class EngineCore:
             if self.step_budget is not None:
                 self._measure_step(so, time.perf_counter() - start)
         outputs = failed + self.scheduler.update_from_output(so, runner_output)
-        self._tokens[0] += so.num_prompt_tokens
         for out in outputs:
-            self._tokens[1] += len(out.new_token_ids)
             out.scheduled_time = self.scheduled_time.pop(out.request_id, None)  # only on the first output
-        self._maybe_log_stats()
+        self.stat_logger.record(so.num_prompt_tokens, sum(len(out.new_token_ids) for out in outputs))
+        self.stat_logger.maybe_log(self.stats)
         return outputs
 
     def _measure_step(self, so: SchedulerOutput, seconds: float) -> None:
@@ -181,33 +178,6 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
-
-    def _maybe_log_stats(self) -> None:
-        now = time.monotonic()
-        if now - self._last_stats < STATS_INTERVAL_S:
-            return
-        dt, s = now - self._last_stats, self.stats()
-        logger.info(
-            "running: %d, waiting: %d, KV usage: %.1f%%, prefix-cache hit rate: %.1f%%, "
-            "prompt: %.1f tok/s, generation: %.1f tok/s, preemptions: %d",
-            s["num_running"],
-            s["num_waiting"],
-            100 * s["kv_cache_usage"],
-            100 * s["prefix_cache_hits"] / max(s["prefix_cache_queries"], 1),
-            self._tokens[0] / dt,
-            self._tokens[1] / dt,
-            s["num_preemptions"],
-        )
-        if (spec := s["spec_decoding"]) is not None:
-            drafts, accepted = spec["num_drafts"] - self._spec[0], spec["num_accepted_tokens"] - self._spec[1]
-            logger.info(
-                "speculative decoding: mean acceptance length %.2f over %d verifications, %d tokens accepted",
-                1 + accepted / max(drafts, 1),
-                drafts,
-                accepted,
-            )
-            self._spec = (spec["num_drafts"], spec["num_accepted_tokens"])
-        self._tokens, self._last_stats = [0, 0], now
 
 
 class EngineCoreProc:

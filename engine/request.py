@@ -101,6 +101,19 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def check_stop(self, token: int, max_len: int) -> RequestStatus | None:
+        """How the request ends with `token`, its newest output (appended already); None if it goes on."""
+        sp, num_output = self.sampling_params, self.num_output_tokens
+        if num_output >= sp.min_tokens:
+            if token == self.eos_token_id and not sp.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in sp.stop_token_ids:
+                self.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if (sp.max_tokens is not None and num_output >= sp.max_tokens) or self.num_tokens >= max_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, tokens={self.num_tokens}, "

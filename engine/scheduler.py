@@ -337,7 +337,7 @@ class Scheduler:
             status = None
             for k, token in enumerate(token_ids):
                 req.append_output_token(token)
-                status = self._check_stop(req, token)
+                status = req.check_stop(token, self.max_len)
                 if req.grammar is not None and req.grammar.accept(token):
                     if req.grammar.error is not None:
                         status = RequestStatus.FINISHED_ABORTED
@@ -378,19 +378,6 @@ class Scheduler:
                 outputs.append(EngineCoreOutput(rid, [], "stop", num_cached_tokens=cached, pooled=embedding))
         self._release(finished, num_waiting)
         return outputs
-
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        sp = req.sampling_params
-        num_output = req.num_output_tokens
-        if num_output >= sp.min_tokens:
-            if token == req.eos_token_id and not sp.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
-            if token in sp.stop_token_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if (sp.max_tokens is not None and num_output >= sp.max_tokens) or req.num_tokens >= self.max_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     @staticmethod
     def _cached(req: Request, first: bool) -> int:

@@ -184,17 +184,17 @@ class CompilePolicy:
             module.compile(dynamic=True, fullgraph=True, options={**options})
         if isinstance(model.output, quant.QuantLinear):
             self.head = functools.partial(_quantized_head, _sliced_kernels(options))
-        else:  # the LM head too: one more weight stream per step
+        elif model.output is not None:  # the LM head too (a pipeline's last stage has it): one more weight
             model.output.compile(dynamic=True, fullgraph=True, options={**options})
         if device.type == "cpu" and GUARD_FREE:
             # The step's eager ends, compiled: each is a dozen eager ops, a share of a one-row step (a
             # plain embedding is one op).
-            embed, norm = model.tok_embeddings, model.norm
+            embed, norm = model.tok_embeddings, model.norm  # None where a pipeline stage lacks it
             self.calls = PartCalls(
                 embed=_GuardFreeCalls(type(embed).forward, _rows_kind, options)
                 if isinstance(embed, quant.QuantEmbedding)
                 else call_module,
-                norm=_GuardFreeCalls(type(norm).forward, _rows_kind, options),
+                norm=_GuardFreeCalls(type(norm).forward, _rows_kind, options) if norm else call_module,
             )
         if device.type == "cuda":
             self.decode_forward = torch.compile(model.forward, **CUDA_DECODE)
@@ -280,23 +280,34 @@ class CompilePolicy:
         return "one" if rows == 1 else "few" if rows <= self.few_rows else "more"
 
     def forward(
-        self, token_ids: Tensor, positions: Tensor, meta: AttentionMetadata, plan: StepPlan
+        self,
+        token_ids: Tensor,
+        positions: Tensor,
+        meta: AttentionMetadata,
+        plan: StepPlan,
+        hidden: Tensor | None = None,
     ) -> Tensor:
-        """Hidden states of a step's tokens, computed as `plan` says."""
+        """Hidden states of a step's tokens, computed as `plan` says (from the previous pipeline stage's
+        `hidden`, past the first)."""
         block = self.decode_graphs.get(plan.kind)
         if block is not None and block is not call_module:  # guard-free: nothing traces, no flags needed
-            return self.model(token_ids, positions, meta, plan, self.calls._replace(block=block))
+            return self.model(token_ids, positions, meta, plan, self.calls._replace(block=block), hidden)
         with flags():
             if block is None and plan.decode and self.decode_forward is not None:
-                return self.decode_forward(token_ids, positions, meta, plan)
-            return self.model(token_ids, positions, meta, plan, self.calls)
+                return self.decode_forward(token_ids, positions, meta, plan, hidden=hidden)
+            return self.model(token_ids, positions, meta, plan, self.calls, hidden)
 
     def logits(self, hidden: Tensor) -> Tensor | None:
         """The LM head over sampled rows (compute_logits)."""
         return self.model.compute_logits(hidden, self.head_plan(hidden.shape[0]), self.head)
 
     def _decode_guard_free(
-        self, token_ids: Tensor, positions: Tensor, meta: AttentionMetadata, plan: StepPlan
+        self,
+        token_ids: Tensor,
+        positions: Tensor,
+        meta: AttentionMetadata,
+        plan: StepPlan,
+        hidden: Tensor | None = None,
     ) -> Tensor:
         """CPU decode: every layer through the graph of its kind of step (one row, a few, more), no guards.
         The first decode step of a kind (in the warm-up) runs through Dynamo and looks the graph up."""
@@ -306,7 +317,7 @@ class CompilePolicy:
             seen.append((layer, *args))
             return layer(*args)
 
-        hidden = self.model(token_ids, positions, meta, plan, self.calls._replace(block=block))
+        hidden = self.model(token_ids, positions, meta, plan, self.calls._replace(block=block), hidden)
         graphs = guard_free.LayerGraphs.lookup(seen)
         if graphs is None:
             logger.warning(

@@ -129,7 +129,7 @@ class InputBatch:
         self.inputs = StepInputs(device)
 
     def update(self, so: SchedulerOutput) -> None:
-        """Forget finished requests, add new ones, append new blocks to the cached ones."""
+        """Forget finished requests, add new ones, append new blocks (and tokens) to the cached ones."""
         for rid in so.finished_req_ids:
             state = self.requests.pop(rid, None)
             if state is not None:
@@ -156,6 +156,7 @@ class InputBatch:
                 self.block_table[state.row, n : n + len(ids)] = ids
                 state.num_blocks += len(ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            state.token_ids.extend(cached.new_token_ids)
 
     def decode_rows(self, num_singles: int) -> int:
         """Rows a step's single-query part is padded to: its bucket."""

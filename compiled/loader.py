@@ -22,6 +22,7 @@ from compiled.models.family import ModelFamily, family_of, renamed
 from compiled.models.linear import CPU_HAS_FAST_BF16, Linear
 from compiled.models.llama import ModelArgs, Transformer, rope_inv_freq
 from compiled.parallel import Split
+from compiled.pipeline import Stage, partition
 from compiled.quant import TILE, PackedWeight, QuantEmbedding, Quantized, QuantLinear, quantizable, quantize
 from compiled.w8a8 import INT8_ISA, calibration_prompts, quantize_layers
 from engine.config import tensor_parallel_error
@@ -113,7 +114,7 @@ def _place(model: Transformer, name: str, value: torch.Tensor | Quantized, dtype
     packed = PackedWeight(value).to(device)
     if isinstance(module, nn.Embedding):
         _set(model, module_name, QuantEmbedding(packed, dtype))
-        if model.args.tie_word_embeddings:
+        if model.args.tie_word_embeddings and model.output is not None:
             model.output = QuantLinear(packed, None)
     else:  # its bias, if any, is placed after it
         _set(model, module_name, QuantLinear(packed, None))
@@ -136,15 +137,26 @@ def load_model(
     gguf_path: str | None = None,
     tp_rank: int = 0,
     tp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    layer_partition: str | None = None,
 ) -> Transformer:
-    """Build the model, or tensor-parallel rank `tp_rank`'s part of it, from `model_dir`'s config and
-    weights (a GGUF file's own blocks with quantization "gguf"); a missing or unexpected tensor is an
-    error."""
+    """Build the model, or tensor-parallel rank `tp_rank`'s part of pipeline stage `pp_rank`'s layers (split
+    as `layer_partition` says: compiled/pipeline.py), from `model_dir`'s config and weights (a GGUF file's
+    own blocks with quantization "gguf"); a missing or unexpected tensor is an error."""
     config = load_config(model_dir)
     family, args = family_of(config), ModelArgs.from_hf_config(config)
     if error := tensor_parallel_error(args.n_heads, args.n_kv_heads, args.intermediate_size, tp_size):
         raise ValueError(f"{model_dir} cannot run tensor-parallel: {error}")
     args = dataclasses.replace(args, tp_rank=tp_rank, tp_size=tp_size)
+    if pp_size > 1:
+        if quantization == "w8a8":  # its calibration runs the whole model in one process
+            raise ValueError("quantization w8a8 does not run pipeline-parallel")
+        parts = partition(args.n_layers, pp_size, layer_partition)
+        start = sum(parts[:pp_rank])
+        args = dataclasses.replace(
+            args, pp_rank=pp_rank, pp_size=pp_size, first_layer=start, end_layer=start + parts[pp_rank]
+        )
     with torch.device("meta"):
         model = family.build(args, backend_for(device))
     if quantization == "gguf" and gguf_path is None:
@@ -155,6 +167,8 @@ def load_model(
     state = convert_state_dict(hf, family)
     if args.tie_word_embeddings:
         state.pop("output.weight", None)
+    if pp_size > 1:
+        state = Stage.of(args).state_dict(state)
     if tp_size > 1:
         state = Split.of(args).state_dict(state)
     expected = {n for n, _ in model.named_parameters()}
@@ -174,7 +188,8 @@ def load_model(
     # Weights first, biases after: a linear replaced by its quantized form keeps its bias.
     for name in sorted(state, key=lambda n: n.endswith(".bias")):
         _place(model, name, state[name], dtype, device)
-    if args.tie_word_embeddings and isinstance(model.tok_embeddings, nn.Embedding):
+    tied = args.tie_word_embeddings and model.output is not None
+    if tied and isinstance(model.tok_embeddings, nn.Embedding):
         model.output.weight = model.tok_embeddings.weight
     if quantization in ("int8", "int4"):
         quantize_model(model, quantization)

@@ -19,6 +19,7 @@ from compiled.compile_policy import WARMUP_CONTEXT, CompilePolicy
 from compiled.host_memory import available_ram, move_weights
 from compiled.input_batch import CachedRequestState, InputBatch, StepBatch, cdiv, sampling_inputs
 from compiled.loader import load_model
+from compiled.pipeline import Pipe
 from compiled.quant import describe
 from compiled.sampler import sample, verify
 from engine.config import EngineConfig
@@ -41,15 +42,29 @@ class ModelRunner:
     ) -> None:
         """`config.model` is an HF directory (`gguf_path` the file it came from, if any); `config`'s
         budgets are resolved for `device`. Under tensor parallelism this is rank `rank`'s runner: every
-        rank runs each step, rank 0 samples and hands its tokens to the others."""
+        rank runs each step, rank 0 samples and hands its tokens to the others. Under pipeline parallelism
+        (compiled/pipeline.py) the ranks of the last stage sample; the scheduler sends every stage the
+        tokens, and none appends its own."""
         self.config, self.device, self.dtype = config, device, dtype
-        self.tensor_parallel = config.tensor_parallel_size > 1
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        self.tensor_parallel = tp > 1
+        self.pipe = Pipe(rank, tp) if pp > 1 else None
         compiles_on_cpu = device.type == "cpu" and not config.enforce_eager
         self.isa_probe = compile_policy.probe_vector_isa() if compiles_on_cpu else None
         start = time.perf_counter()
         self.model = load_model(
-            config.model, dtype, device, config.quantization, gguf_path, rank, config.tensor_parallel_size
+            config.model,
+            dtype,
+            device,
+            config.quantization,
+            gguf_path,
+            tp_rank=rank % tp,
+            tp_size=tp,
+            pp_rank=rank // tp,
+            pp_size=pp,
+            layer_partition=config.pipeline_layer_partition,
         )
+        self.stage = self.model.stage
         move_weights(self.model)
         params = {id(p): p for p in self.model.parameters()}.values()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -87,8 +102,8 @@ class ModelRunner:
             logger.info("attention: %s", line)
 
     def kv_bytes_per_block(self) -> int:
-        a = self.model.args
-        return 2 * a.n_layers * self.block_size * self.model.split.kv_heads * a.head_dim * self.dtype.itemsize
+        m = self.model  # a pipeline stage caches its own layers' KV
+        return 2 * len(m.layers) * self.block_size * m.split.kv_heads * m.args.head_dim * self.dtype.itemsize
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model.allocate_kv_cache(num_blocks, self.block_size, self.dtype)
@@ -135,7 +150,9 @@ class ModelRunner:
         chunks = [dummy(num_single + i, n, 0) for i, n in enumerate(chunk_lens)]
         scheduled = {s.req_id: 1 for s in singles} | {s.req_id: len(s.token_ids) for s in chunks}
         step = self.batch.prepare(singles, chunks, scheduled)
-        self._run(step, None, self.hidden_states(step))
+        hidden = self.hidden_states(step)
+        if self.stage.last:
+            self._run(step, None, hidden)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.batch.update(so)
@@ -143,12 +160,19 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         singles, chunks = self.batch.split(so.num_scheduled_tokens, so.spec_tokens)
         step = self.batch.prepare(singles, chunks, so.num_scheduled_tokens, so.spec_tokens)
-        hidden = self.hidden_states(step)
+        received = None
+        if not self.stage.first:
+            received = self.pipe.recv(step.token_ids.shape[0], self.model.args.dim, self.dtype, self.device)
+        hidden = self.hidden_states(step, received)
+        if not self.stage.last:
+            self.pipe.send(hidden)
+            return ModelRunnerOutput([], [])
         tokens, logprobs, prompt_logprobs = self._run(step, so.grammar_bitmasks, hidden)
         out_tokens: dict[str, list[int]] = {}
         out_logprobs: dict[str, list[TokenLogprobs]] = {}
         for i, s in enumerate(step.sampled):
-            s.token_ids.extend(tokens[i])
+            if self.pipe is None:
+                s.token_ids.extend(tokens[i])
             out_tokens[s.req_id] = tokens[i]
             if logprobs is not None and s.sampling_params.logprobs is not None:
                 out_logprobs[s.req_id] = logprobs[i]
@@ -175,10 +199,14 @@ class ModelRunner:
                 pooled[s.req_id] = (F.normalize(v, dim=0) if p.normalize else v).tolist()
         return pooled
 
-    def hidden_states(self, step: StepBatch) -> Tensor:
-        """The model's last hidden state for every token of a prepared step, as production computes it."""
-        plan = self.policy.plan(step.token_ids.shape[0], step.meta.decode_only)
-        return self.policy.forward(step.token_ids, step.positions, step.meta, plan)
+    def hidden_states(self, step: StepBatch, received: Tensor | None = None) -> Tensor:
+        """The model's last hidden state for every token of a prepared step, as production computes it (this
+        pipeline stage's, from the previous stage's `received`; zeros in a warm-up)."""
+        rows = step.token_ids.shape[0]
+        if received is None and not self.stage.first:
+            received = torch.zeros(rows, self.model.args.dim, dtype=self.dtype, device=self.device)
+        plan = self.policy.plan(rows, step.meta.decode_only)
+        return self.policy.forward(step.token_ids, step.positions, step.meta, plan, received)
 
     def _run(
         self, step: StepBatch, grammar_bitmasks: dict[str, np.ndarray] | None, hidden: Tensor

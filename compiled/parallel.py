@@ -1,8 +1,9 @@
-"""Tensor parallelism: the process group of one engine core's workers, the collectives the model calls,
-and how a checkpoint's weights are split among the ranks.
+"""Tensor parallelism: the process group of one engine core's workers (of one pipeline stage's), the
+collectives the model calls, and how a checkpoint's weights are split among the ranks.
 
-One group per engine core, so the world is the group: gloo on CPU, NCCL on CUDA, rendezvous through
-torch.distributed's environment (MASTER_ADDR, MASTER_PORT; the executor sets them, or torchrun does).
+One world per engine core, its tp_size × pp_size workers (compiled/pipeline.py): gloo on CPU, NCCL on
+CUDA, rendezvous through torch.distributed's environment (MASTER_ADDR, MASTER_PORT; the executor sets
+them, or torchrun does).
 CPU ranks on one host exchange tensors through shared memory instead (compiled/shm.py), many times faster
 than gloo. The all-reduces inside layers are one op in the compiled graphs (a functional collective, or
 the shared-memory custom op); the gathers and broadcasts around the LM head and sampler run eagerly,
@@ -43,23 +44,30 @@ _shm: ShmExchange | None = None  # CPU ranks on one host: collectives through sh
 TIMEOUT = datetime.timedelta(minutes=10)
 
 
-def init(rank: int, size: int, device: torch.device) -> None:
+def init(rank: int, tp_size: int, pp_size: int, device: torch.device) -> None:
+    """Join the world of one engine core's tp_size × pp_size ranks; each pipeline stage's ranks form its
+    tensor-parallel group (compiled/pipeline.py)."""
     global _group, _shm
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=size, timeout=TIMEOUT)
+    dist.init_process_group(backend, rank=rank, world_size=tp_size * pp_size, timeout=TIMEOUT)
+    if tp_size == 1:
+        return
     _group = dist.group.WORLD
+    if pp_size > 1:  # every rank makes every stage's group, in the same order, as torch.distributed requires
+        groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(pp_size)]
+        _group = groups[rank // tp_size]
     if device.type == "cpu" and shm.supported():
-        _shm = _open_shm(rank, size)
+        _shm = _open_shm(rank % tp_size, tp_size)
     if rank == 0:
         logger.info(
-            "tensor parallel: %d ranks, collectives through %s", size, "shared memory" if _shm else backend
+            "tensor parallel: %d ranks, collectives through %s", tp_size, "shared memory" if _shm else backend
         )
 
 
 def _open_shm(rank: int, size: int) -> ShmExchange | None:
-    """Rank 0's shared-memory file, mapped by every rank, or None (gloo) unless every rank could map it
-    (ranks on other hosts cannot). The file is unlinked once mapped: nothing is left behind, however
-    the ranks end."""
+    """The group's first rank's shared-memory file, mapped by each of its ranks, or None (gloo) unless every
+    rank could map it (ranks on other hosts cannot); `rank` and `size` are within the group. The file is
+    unlinked once mapped: nothing is left behind, however the ranks end."""
     token = torch.zeros(16, dtype=torch.uint8)  # the file's name; zeros: rank 0 could not make one
     path = None
     if rank == 0:
@@ -73,7 +81,7 @@ def _open_shm(rank: int, size: int) -> ShmExchange | None:
             token[:] = torch.tensor(list(name.encode()), dtype=torch.uint8)
         except OSError:
             path = None
-    dist.broadcast(token, src=0, group=_group)
+    dist.broadcast(token, group_src=0, group=_group)
     exchange = None
     if token.any():
         with contextlib.suppress(OSError, ValueError):
@@ -120,26 +128,29 @@ def all_reduce(x: Tensor) -> Tensor:
 
 
 def gather_vocab(local: Tensor, vocab_size: int) -> Tensor | None:
-    """Every rank's vocabulary shard of the logits, [S, V / size] each, joined on rank 0 (None elsewhere)."""
+    """Every rank's vocabulary shard of the logits, [S, V / size] each, joined on the group's first rank
+    (None elsewhere)."""
     first = dist.get_rank(_group) == 0
     if _shm is not None and _shm.fits(local):
         parts = list(_shm.all_gather(local))
     else:
         parts = [torch.empty_like(local) for _ in range(dist.get_world_size(_group))] if first else None
-        dist.gather(local.contiguous(), parts, dst=0, group=_group)
+        dist.gather(local.contiguous(), parts, group_dst=0, group=_group)
     return torch.cat(parts, dim=-1)[:, :vocab_size] if first else None
 
 
 def broadcast(t: Tensor) -> Tensor:
-    """Rank 0's `t` on every rank (the others pass a tensor of the same shape and dtype to fill)."""
+    """The group's first rank's `t` on each of its ranks (the others pass a tensor of the same shape and
+    dtype to fill)."""
     if _shm is not None and _shm.fits(t):
         return t.copy_(_shm.all_gather(t)[0])
-    dist.broadcast(t, src=0, group=_group)
+    dist.broadcast(t, group_src=0, group=_group)
     return t
 
 
 def barrier() -> None:
-    dist.barrier(group=_group)
+    """Every rank of the engine core's world, every stage's."""
+    dist.barrier()
 
 
 def shutdown() -> None:

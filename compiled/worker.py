@@ -38,7 +38,11 @@ class Worker:
     def __init__(
         self, config: EngineConfig, model_dir: str, gguf_file: str | None = None, rank: int = 0
     ) -> None:
-        device, size = resolve_device(config.device), config.tensor_parallel_size
+        device = resolve_device(config.device)
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        size = tp * pp
+        # The rank that answers each step: the last pipeline stage's first, whose tokens they are.
+        self.replies = rank == (pp - 1) * tp
         # This host's workers, over every data-parallel engine core, share its devices or cores.
         share, shares = config.data_parallel_rank * size + rank, config.data_parallel_size * size
         self.threads: CpuThreads | None = None  # follows the load unless the count was given
@@ -52,7 +56,7 @@ class Worker:
         elif device.type == "cpu":
             self.threads = CpuThreads()
         if size > 1:
-            parallel.init(rank, size, device)
+            parallel.init(rank, tp, pp, device)
         weights = os.path.join(model_dir, "model.safetensors")
         if rank == 0 and gguf_file is not None and not os.path.exists(weights):
             convert_gguf(gguf_file, model_dir)
@@ -98,7 +102,7 @@ class Worker:
             budget = self._cuda_kv_budget()
         else:
             # Every rank of every engine core on a CPU allocates its cache from the same RAM.
-            shares = c.tensor_parallel_size * c.data_parallel_size
+            shares = c.tensor_parallel_size * c.pipeline_parallel_size * c.data_parallel_size
             budget = int(available_ram() * c.cpu_kv_cache_fraction) // shares
         useful = c.max_num_seqs * r.max_blocks_per_seq + 1
         num_blocks = min(budget // r.kv_bytes_per_block(), useful)
@@ -218,7 +222,7 @@ def main() -> None:
                 break
             if isinstance(msg, m.ExecuteModel):
                 out = worker.execute_model(msg.scheduler_output)
-                if rank == 0:
+                if worker.replies:
                     outputs.send(encoder.encode(m.WorkerStepOutput(out)))
             elif isinstance(msg, m.WorkerCall):
                 result = getattr(worker, msg.method)(*msg.args)

@@ -127,6 +127,17 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     tensor_parallel_size: Annotated[
         int, _help("worker processes the model is split across, one per device (CPU: the cores shared)")
     ] = 1
+    pipeline_parallel_size: Annotated[
+        int,
+        _help(
+            "stages the layers are split into, each tensor_parallel_size worker processes wide, with as many "
+            "steps in flight (CPU: the cores shared)"
+        ),
+    ] = 1
+    pipeline_layer_partition: Annotated[
+        str | None,
+        _help("layers of each pipeline stage, comma-separated, e.g. 10,14 (default: as even as can be)"),
+    ] = None
     worker_address: Annotated[
         str | None,
         _help(
@@ -201,6 +212,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         check(self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1")
         check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")
         check(self.data_parallel_size >= 1, "data_parallel_size", "must be at least 1")
+        check(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be at least 1")
+        parts = (self.pipeline_layer_partition or "").split(",")
+        ok = self.pipeline_layer_partition is None or (
+            len(parts) == self.pipeline_parallel_size and all(p.isdigit() and int(p) > 0 for p in parts)
+        )
+        check(ok, "pipeline_layer_partition", "must be pipeline_parallel_size positive layer counts")
         ok = self.worker_address is None or tcp(self.worker_address)
         check(ok, "worker_address", "must be tcp://HOST:PORT")
         ok = addresses is None or all(map(tcp, addresses.split(",")))
@@ -248,6 +265,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         # On CPU the budget follows the measured step times (StepBudget), read as each step ends:
         # overlapped steps would blur them.
         measured = serving and self.max_num_batched_tokens_decoding is None and not on_cuda and not overlap
+        measured = measured and self.pipeline_parallel_size == 1  # pipelined steps overlap too
         return msgspec.structs.replace(
             self,
             # CPU decode attention reads each page as one stream: 64-token pages read faster than 16-token
@@ -277,6 +295,8 @@ class SchedulerConfig:
     max_num_batched_tokens_decoding: int = 0
     settling_tokens: int = 0  # streams cap steps from this many tokens on: a burst prefills in full steps
     async_scheduling: bool = False  # schedule the next step while the current one runs
+    # Pipeline stages: as many steps in flight, each request in one at a time, a share of the running in each.
+    pipeline_parallel_size: int = 1
     scheduling_policy: str = "fcfs"  # or "priority": by each request's priority, then arrival
 
     def __post_init__(self) -> None:

@@ -8,6 +8,7 @@ on another host (`kiln serve --headless`); either way StartCore comes first, and
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -85,6 +86,7 @@ class EngineCore:
                 max_num_batched_tokens_decoding=c.max_num_batched_tokens_decoding,
                 settling_tokens=SETTLING_TOKENS,
                 async_scheduling=c.async_scheduling,
+                pipeline_parallel_size=c.pipeline_parallel_size,
                 scheduling_policy=c.scheduling_policy,
             ),
             structured=self.structured,
@@ -93,7 +95,10 @@ class EngineCore:
         budget = (c.step_stretch, c.max_num_batched_tokens_decoding, c.max_num_batched_tokens)
         self.step_budget = StepBudget(*budget) if c.step_stretch else None
         self.scheduled_time: dict[str, float] = {}
-        self.in_flight: tuple[SchedulerOutput, StepResult] | None = None  # async_scheduling's last step
+        # Steps sent and not yet answered, oldest first: up to one per pipeline stage, and one more for
+        # overlapped scheduling (the next step sent before the last one's tokens are taken).
+        self.in_flight: collections.deque[tuple[SchedulerOutput, StepResult]] = collections.deque()
+        self.depth = c.pipeline_parallel_size + c.async_scheduling
         self.stat_logger = StatLogger()
 
     def ready_message(self, engine_index: int) -> CoreReady:
@@ -134,28 +139,28 @@ class EngineCore:
         return self.scheduler.abort_requests(request_ids)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.in_flight is not None
+        return self.scheduler.has_unfinished_requests() or bool(self.in_flight)
 
     def step(self) -> list[EngineCoreOutput]:
         so = self.scheduler.schedule()
         failed = self.scheduler.take_failed()
-        if so.is_empty and self.in_flight is None:
+        if so.is_empty and not self.in_flight:
             self.executor.execute_model(so)  # still drops the state of requests finished since the last step
             self.structured.wait(IDLE_WAIT_S)  # a grammar still compiling: don't spin on an empty step
             return failed
         now = time.time()
         for new in so.new_reqs:
             self.scheduled_time.setdefault(new.req_id, now)
-        if self.config.async_scheduling:
-            # Queue this step behind the one the model is running, then take that one's tokens.
-            launched = self.executor.execute_model_async(so)
-            done, self.in_flight = self.in_flight, None if so.is_empty else (so, launched)
-            if done is None:
+        if self.depth > 1:
+            # Queue this step behind the ones in flight (an empty one only for the state it drops), then,
+            # with as many in flight as the pipeline holds or nothing new to send, take the oldest's tokens
+            # (the workers answer in order: an empty step's answer is taken in its turn, not left behind).
+            if not so.is_empty or so.finished_req_ids:
+                self.in_flight.append((so, self.executor.execute_model_async(so)))
+            if len(self.in_flight) < self.depth and not so.is_empty:
                 return failed
-            runner_output = done[1].result()
-            if so.is_empty:  # its answer comes next (workers answer in order): taken now, not left behind
-                launched.result()
-            so = done[0]
+            so, launched = self.in_flight.popleft()
+            runner_output = launched.result()
         else:
             start = time.perf_counter()
             runner_output = self.executor.execute_model(so)

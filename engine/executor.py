@@ -1,8 +1,8 @@
 """The engine core's handle on its workers, found by name: the core's code never imports the worker's.
 
-`Executor` keeps the one worker in the engine-core process (tensor_parallel_size 1); `MultiprocExecutor`
-starts one worker process per tensor-parallel rank and reaches them over zmq. Either way everything that
-crosses is the step contract (engine/step.py) or a plain value, msgspec-encoded between processes.
+`Executor` keeps the one worker in the engine-core process (one rank); `MultiprocExecutor` starts one worker
+process per rank (tensor-parallel ranks × pipeline stages) and reaches them over zmq. Either way everything
+that crosses is the step contract (engine/step.py) or a plain value, msgspec-encoded between processes.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def worker_class() -> type:
 
 
 def make_executor(config: EngineConfig, model_dir: str, gguf_file: str | None = None) -> Executor:
-    if config.tensor_parallel_size == 1 and not config.worker_address:
+    if config.tensor_parallel_size * config.pipeline_parallel_size == 1 and not config.worker_address:
         return Executor(config, model_dir, gguf_file)
     return MultiprocExecutor(config, model_dir, gguf_file)
 
@@ -110,18 +110,20 @@ class _NextStepOutput:
 
 
 class MultiprocExecutor(Executor):
-    """One worker process per tensor-parallel rank, each sent every call; a call's answer is every rank's,
-    a step's is rank 0's tokens. A worker that fails or exits fails the
-    engine core (RuntimeError), which takes the other workers with it: each dies with the core."""
+    """One worker process per rank, each sent every call; a call's answer is every rank's, a step's is the
+    tokens of the last pipeline stage's first rank. Steps are answered in the order sent, several in
+    flight under pipeline parallelism. A worker that fails or exits fails the engine core (RuntimeError),
+    which takes the other workers with it: each dies with the core."""
 
     def __init__(self, config: EngineConfig, model_dir: str, gguf_file: str | None = None) -> None:
-        self.size = size = config.tensor_parallel_size
+        tp = config.tensor_parallel_size
+        self.size = size = tp * config.pipeline_parallel_size
         hf_config = Path(model_dir) / "config.json"
         if hf_config.exists():  # a GGUF's first start has none yet: its workers check after converting
             c = json.loads(hf_config.read_text())
             heads = c.get("num_attention_heads", 0)
             kv_heads = c.get("num_key_value_heads") or heads
-            if error := tensor_parallel_error(heads, kv_heads, c.get("intermediate_size", 0), size):
+            if error := tensor_parallel_error(heads, kv_heads, c.get("intermediate_size", 0), tp):
                 raise ValueError(f"{model_dir} cannot run tensor-parallel: {error}")
         self.ctx = zmq.Context()
         self.ctx.setsockopt(zmq.LINGER, 0)

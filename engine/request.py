@@ -62,6 +62,7 @@ class Request:
         self.num_computed_tokens = 0
         # Overlapped scheduling: tokens a step in flight will sample, which the next step already computes.
         self.num_output_placeholders = 0
+        self.num_sent_tokens = 0  # pipeline parallelism: the tokens the runner has been sent
         self.status = RequestStatus.WAITING
         self.block_hashes: list[bytes] = []
         self.stop_reason: int | str | None = None

@@ -13,6 +13,8 @@ still prefilling after a step iff ``num_computed_tokens < num_tokens``; it gets 
 With ``async_scheduling``, step N+1 is scheduled before step N's tokens are back: a sampling step leaves an
 output placeholder, whose position the next step computes all the same (the runner appends what it samples to
 its own tokens). A request that may stop on the pending token, or whose grammar must see it, waits for it.
+With pipeline stages every request waits for its token (the last stage samples, the first needs it, sent
+in the next step), and each of the steps in flight takes a share of the running requests.
 
 Preemption is by recompute: the last running request in the policy's order (fcfs: the most recently
 admitted; priority: the lowest priority) gives up its blocks, keeps its tokens (prompt and outputs) and
@@ -187,8 +189,9 @@ class Scheduler:
         preempted = False
 
         running = self.running
+        seats = -(-len(running) // cfg.pipeline_parallel_size)  # the steps in flight share the running
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and budget > 0 and len(out.cached_reqs) < seats:
             req = running[i]
             left = req.num_known_tokens - req.num_computed_tokens
             n = min(left, budget, cap)
@@ -205,9 +208,12 @@ class Scheduler:
                     break
             if new_blocks is None:  # req preempted itself: it was the last running request
                 break
-            out.cached_reqs.append(
-                CachedRequestData(req.request_id, [b.block_id for b in new_blocks], req.num_computed_tokens)
-            )
+            blocks = [b.block_id for b in new_blocks]
+            data = CachedRequestData(req.request_id, blocks, req.num_computed_tokens)
+            if cfg.pipeline_parallel_size > 1:
+                data.new_token_ids = req.all_token_ids[req.num_sent_tokens :]
+                req.num_sent_tokens = req.num_tokens
+            out.cached_reqs.append(data)
             if drafts:
                 out.spec_tokens[req.request_id] = drafts
             self._advance(req, n, out)
@@ -250,7 +256,7 @@ class Scheduler:
                     req.eos_token_id,
                 )
             )
-            req.num_computed_tokens = num_hit
+            req.num_computed_tokens, req.num_sent_tokens = num_hit, req.num_tokens
             self._advance(req, n, out)
             budget -= n
 
@@ -264,7 +270,8 @@ class Scheduler:
         except where the next step may verify drafts, which must follow every token)."""
         out.num_scheduled_tokens[req.request_id] = n
         req.num_computed_tokens += n
-        if self.config.async_scheduling and req.num_computed_tokens == req.num_known_tokens:
+        overlapped = self.config.async_scheduling or self.config.pipeline_parallel_size > 1
+        if overlapped and req.num_computed_tokens == req.num_known_tokens:
             req.num_output_placeholders += self.proposer is None or req.grammar is not None
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
@@ -279,10 +286,12 @@ class Scheduler:
         return self.proposer.propose(req, room) if room > 0 else []
 
     def _awaits_output(self, req: Request) -> bool:
-        """Whether a request with tokens in flight must see them before it computes more."""
+        """Whether a request with tokens in flight must see them before it computes more (always, across
+        pipeline stages: the last samples, the first needs the token)."""
         sp, known = req.sampling_params, req.num_known_tokens
         past_max = sp.max_tokens is not None and known - req.num_prompt_tokens >= sp.max_tokens
-        return req.grammar is not None or known >= self.max_len or past_max
+        pipelined = self.config.pipeline_parallel_size > 1
+        return pipelined or req.grammar is not None or known >= self.max_len or past_max
 
     def _grammar_bitmasks(self, out: SchedulerOutput) -> None:
         """The token masks of the constrained requests that sample this step (their chunk ends the prompt)."""

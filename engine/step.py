@@ -37,6 +37,9 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Pipeline parallelism: the tokens sampled since the runner last saw the request (no stage samples
+    # them itself). Otherwise empty: the runner appends what it samples.
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from compiled import parallel
+from compiled import parallel, pipeline
 from compiled.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -62,6 +62,10 @@ class ModelArgs:
     windows: tuple[int, ...] = ()
     tp_rank: int = 0  # tensor parallelism: this process's part of every weight (compiled/parallel.py)
     tp_size: int = 1
+    pp_rank: int = 0  # pipeline parallelism: this stage's layers, [first_layer, end_layer or n_layers)
+    pp_size: int = 1
+    first_layer: int = 0
+    end_layer: int = 0
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelArgs:
@@ -247,13 +251,15 @@ class Transformer(nn.Module):
         """`attention`: the device's attention backend (compiled/attention.py)."""
         super().__init__()
         self.args = args
-        self.split = parallel.Split.of(args)
-        self.tok_embeddings = nn.Embedding(self.split.vocab, args.dim)  # this rank's rows of the vocabulary
-        windows = args.windows or (0,) * args.n_layers
+        self.split, self.stage = parallel.Split.of(args), pipeline.Stage.of(args)
+        # A pipeline stage holds its own layers, the first the embedding, the last the final norm and head.
+        stage = self.stage
+        self.tok_embeddings = nn.Embedding(self.split.vocab, args.dim) if stage.has_embedding else None
+        windows = (args.windows or (0,) * args.n_layers)[stage.start : stage.end]
         self.layers = nn.ModuleList(TransformerBlock(args, attention, w) for w in windows)
-        self.norm = RMSNorm(args.dim, args.norm_eps, args.gemma)
-        self.output = Linear(args.dim, self.split.vocab, bias=False)
-        if args.tie_word_embeddings:
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.gemma) if stage.last else None
+        self.output = Linear(args.dim, self.split.vocab, bias=False) if stage.last else None
+        if args.tie_word_embeddings and stage.last:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
         self.register_buffer("rope_cos", None, persistent=False)  # made by cache_rope
@@ -266,14 +272,16 @@ class Transformer(nn.Module):
         meta: AttentionMetadata,
         plan: StepPlan,
         calls: PartCalls = OWN_CALLS,
+        hidden: Tensor | None = None,
     ) -> Tensor:
         """Hidden states of every token of a packed step (input_ids and positions are [T]), computed as
-        `plan` says, each part run through `calls`."""
-        h = self.embed(input_ids, calls.embed)
+        `plan` says, each part run through `calls`. A pipeline stage past the first starts from `hidden`,
+        the previous stage's; one before the last returns its layers' output, not normalised."""
+        h = self.embed(input_ids, calls.embed) if hidden is None else hidden
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for layer in self.layers:
             h = calls.block(layer, h, cos, sin, meta, plan)
-        return calls.norm(self.norm, h)
+        return h if self.norm is None else calls.norm(self.norm, h)
 
     def cache_rope(self, max_len: int, dtype: torch.dtype) -> None:
         """cos and sin of every position below max_len, made once before the first step: a step gathers its

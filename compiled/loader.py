@@ -22,10 +22,10 @@ from compiled.models.family import ModelFamily, family_of, renamed
 from compiled.models.linear import CPU_HAS_FAST_BF16, Linear
 from compiled.models.llama import ModelArgs, Transformer, rope_inv_freq
 from compiled.parallel import Split
-from compiled.pipeline import Stage, partition
+from compiled.pipeline import Stage
 from compiled.quant import TILE, PackedWeight, QuantEmbedding, Quantized, QuantLinear, quantizable, quantize
 from compiled.w8a8 import INT8_ISA, calibration_prompts, quantize_layers
-from engine.config import tensor_parallel_error
+from engine.config import pipeline_partition, tensor_parallel_error
 
 logger = logging.getLogger("kiln.loader")
 
@@ -152,7 +152,7 @@ def load_model(
     if pp_size > 1:
         if quantization == "w8a8":  # its calibration runs the whole model in one process
             raise ValueError("quantization w8a8 does not run pipeline-parallel")
-        parts = partition(args.n_layers, pp_size, layer_partition)
+        parts = pipeline_partition(args.n_layers, pp_size, layer_partition)
         start = sum(parts[:pp_rank])
         args = dataclasses.replace(
             args, pp_rank=pp_rank, pp_size=pp_size, first_layer=start, end_layer=start + parts[pp_rank]

@@ -21,26 +21,6 @@ from torch import Tensor
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
-def partition(n_layers: int, size: int, counts: str | None = None) -> list[int]:
-    """Each stage's number of layers: `counts` (comma-separated) where given, else as even as can be, the
-    stages before the last taking one more each where the layers do not divide evenly (the last stage
-    computes the LM head besides)."""
-    if counts:
-        parts = [int(c) for c in counts.split(",")]
-        if len(parts) != size or sum(parts) != n_layers or min(parts) < 1:
-            raise ValueError(
-                f"pipeline_layer_partition={counts!r} does not split the model's {n_layers} layers "
-                f"into {size} stages of at least one layer"
-            )
-        return parts
-    if n_layers < size:
-        raise ValueError(f"the model's {n_layers} layers cannot fill pipeline_parallel_size={size} stages")
-    parts = [n_layers // size] * size
-    for i in range(n_layers % size):
-        parts[-2 - i] += 1
-    return parts
-
-
 @dataclass(frozen=True)
 class Stage:
     """Which layers one stage runs: [start, end) of the model's `n_layers`."""

@@ -26,7 +26,7 @@ import zmq
 
 from engine import cluster
 from engine import messages as m
-from engine.config import EngineConfig, tensor_parallel_error
+from engine.config import EngineConfig, pipeline_partition, tensor_parallel_error
 from engine.processes import WORKER_TOPIC, free_port, worker_sockets
 from engine.step import ModelRunnerOutput, SchedulerOutput
 
@@ -125,6 +125,9 @@ class MultiprocExecutor(Executor):
             kv_heads = c.get("num_key_value_heads") or heads
             if error := tensor_parallel_error(heads, kv_heads, c.get("intermediate_size", 0), tp):
                 raise ValueError(f"{model_dir} cannot run tensor-parallel: {error}")
+            if config.pipeline_parallel_size > 1:  # ValueError where the layers do not split so
+                layers = c.get("num_hidden_layers", 0)
+                pipeline_partition(layers, config.pipeline_parallel_size, config.pipeline_layer_partition)
         self.ctx = zmq.Context()
         self.ctx.setsockopt(zmq.LINGER, 0)
         # Every call goes to every rank alike: one XPUB socket. Each worker subscribes to its own name

@@ -63,6 +63,7 @@ class Request:
         # Overlapped scheduling: tokens a step in flight will sample, which the next step already computes.
         self.num_output_placeholders = 0
         self.num_sent_tokens = 0  # pipeline parallelism: the tokens the runner has been sent
+        self.num_steps_in_flight = 0  # steps scheduled with it whose output the scheduler has not had
         self.status = RequestStatus.WAITING
         self.block_hashes: list[bytes] = []
         self.stop_reason: int | str | None = None

@@ -230,6 +230,8 @@ class Scheduler:
             if req.grammar is not None and req.grammar.error is not None:
                 self._fail(waiting.pop(), f"structured_outputs: {req.grammar.error}")
                 continue
+            if req.num_steps_in_flight:  # preempted with a step in flight: resumed once it is back
+                break
             computed_blocks, num_hit = kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, cap)
             if n > budget:
@@ -270,6 +272,7 @@ class Scheduler:
         except where the next step may verify drafts, which must follow every token)."""
         out.num_scheduled_tokens[req.request_id] = n
         req.num_computed_tokens += n
+        req.num_steps_in_flight += 1
         overlapped = self.config.async_scheduling or self.config.pipeline_parallel_size > 1
         if overlapped and req.num_computed_tokens == req.num_known_tokens:
             req.num_output_placeholders += self.proposer is None or req.grammar is not None
@@ -329,6 +332,8 @@ class Scheduler:
         finished: list[Request] = []
         num_waiting = 0  # of the finished: preempted while their step ran (overlapped scheduling only)
         all_logprobs = runner_output.logprobs
+        for req in filter(None, map(self.requests.get, scheduler_output.num_scheduled_tokens)):
+            req.num_steps_in_flight -= 1
         for rid, (start, entries) in runner_output.prompt_logprobs.items():
             if (req := self.requests.get(rid)) is not None and req.prompt_logprobs is not None:
                 req.prompt_logprobs[start : start + len(entries)] = entries

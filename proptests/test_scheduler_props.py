@@ -1,12 +1,14 @@
 """The Scheduler driven by a fake model runner, under tiny pools and budgets that force chunking,
 preemption and prefix hits, and with n-gram drafts that the fake runner accepts or rejects at random,
-under either scheduling policy (requests of a few priorities, arriving out of order too).
+under either scheduling policy (requests of a few priorities, arriving out of order too), and with the
+steps of several pipeline stages in flight.
 
 The fake runner keeps its own per-request state from SchedulerOutputs alone (tokens, block table,
 computed count), as the real one does, so the test also checks that the messages are sufficient:
 its view must always match the scheduler's.
 """
 
+import collections
 import itertools
 import random
 from dataclasses import dataclass
@@ -52,6 +54,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         settling=st.sampled_from([0, 1, 3]),
         drafts=st.sampled_from([0, 0, 1, 3]),
         policy=st.sampled_from(["fcfs", "priority"]),
+        stages=st.sampled_from([1, 1, 2, 3]),
         seed=st.integers(0, 2**16),
     )
     def setup(
@@ -68,6 +71,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         settling,
         drafts,
         policy,
+        stages,
         seed,
     ):
         self.cfg = SchedulerConfig(
@@ -82,13 +86,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_num_batched_tokens_decoding=decoding_cap,
             settling_tokens=settling,
             scheduling_policy=policy,
+            pipeline_parallel_size=stages,
         )
         spec = drafts and SpeculativeConfig(
             num_speculative_tokens=drafts, prompt_lookup_min=1, prompt_lookup_max=2
         )
         self.sched = Scheduler(self.cfg, eos_token_id=EOS, proposer=NgramProposer(spec) if drafts else None)
-        self.rng = random.Random(seed)
+        self.rng, self.drafts = random.Random(seed), drafts
         self.runner: dict[str, RunnerState] = {}
+        # Pipeline stages: steps the fake runner has computed whose outputs the scheduler has not had yet.
+        self.in_flight: collections.deque = collections.deque()
         self.finished: dict[str, str] = {}  # request id -> finish reason
         self.emitted: dict[str, list[int]] = {}  # request id -> tokens streamed in outputs
         self.next_id = 0
@@ -125,6 +132,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             state = self.runner[cached.req_id]
             assert cached.num_computed_tokens == state.computed
             state.block_ids.extend(cached.new_block_ids)
+            state.tokens.extend(cached.new_token_ids)
+            if cfg.pipeline_parallel_size > 1:  # scheduled with no token in flight, and sent every one
+                assert state.tokens == sched.requests[cached.req_id].all_token_ids
+            else:
+                assert not cached.new_token_ids
         assert {n.req_id for n in out.new_reqs} | {c.req_id for c in out.cached_reqs} == set(sched_tokens)
 
         req_ids, sampled = [], []
@@ -149,18 +161,23 @@ class SchedulerMachine(RuleBasedStateMachine):
                     if emitted[-1] != d:
                         break
                 state.computed -= len(drafts) + 1 - len(emitted)  # rejected drafts' KV is computed again
-                state.tokens.extend(emitted)
+                if cfg.pipeline_parallel_size == 1:  # else the scheduler sends them with the next step
+                    state.tokens.extend(emitted)
                 sampled.append(emitted)
             else:
                 sampled.append([])
-        outputs = sched.update_from_output(out, ModelRunnerOutput(req_ids, sampled))
+        # As the engine core: up to a step per stage in flight, the oldest answered first.
+        self.in_flight.append((out, ModelRunnerOutput(req_ids, sampled)))
+        if len(self.in_flight) < cfg.pipeline_parallel_size and not out.is_empty:
+            return
+        outputs = sched.update_from_output(*self.in_flight.popleft())
 
         for o in outputs:
             self.emitted.setdefault(o.request_id, []).extend(o.new_token_ids)
             if o.finished:
                 self.check_finish(o.request_id, o.finish_reason, o.stop_reason)
         for rid, state in self.runner.items():
-            if rid in sched.requests:
+            if rid in sched.requests and cfg.pipeline_parallel_size == 1:
                 assert sched.requests[rid].all_token_ids == state.tokens
 
     def token(self) -> int:
@@ -295,7 +312,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(running) + len(waiting) == len(sched.requests)
         for r in running:
             assert r.status == RequestStatus.RUNNING
-            assert 0 < r.num_computed_tokens <= r.num_tokens < sched.max_len
+            # Drafts a step in flight verifies are computed already (pipeline stages: while it runs).
+            in_flight = self.drafts if self.cfg.pipeline_parallel_size > 1 else 0
+            assert 0 < r.num_computed_tokens <= r.num_tokens + in_flight and r.num_tokens < sched.max_len
             assert len(kv.get_block_ids(r.request_id)) * self.cfg.block_size >= r.num_computed_tokens
             # No block hash covers a drafted token: a hashed block of the table holds the request's own.
             for i, block in enumerate(kv.req_to_blocks[r.request_id]):
@@ -318,9 +337,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         sched = self.sched
         # The first running request can always get its blocks and makes progress every step, so
         # each request finishes within about max_len steps once it is first in line.
-        bound = 10 + (sched.max_len + 2) * (len(sched.requests) + 1)
+        bound = (10 + (sched.max_len + 2) * (len(sched.requests) + 1)) * self.cfg.pipeline_parallel_size
         for _ in range(bound):
-            if not sched.has_unfinished_requests():
+            if not sched.has_unfinished_requests() and not self.in_flight:
                 break
             self.step()
         assert not sched.has_unfinished_requests(), f"not done after {bound} steps: {sched.requests}"

@@ -1,0 +1,184 @@
+"""Pipeline parallelism on CPU (gloo): the layers split into stages of worker processes give the same greedy
+tokens and prompt logprobs as one process, with chunked prefill, prefix-cache hits, preemptions and
+overlapped scheduling; splits that cannot be made are refused; a dead stage fails the engine."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from compiled.pipeline import Stage
+from engine.config import EngineConfig
+from engine.config import pipeline_partition as partition
+from engine.errors import EngineDeadError
+from engine.llm import LLM
+from engine.params import SamplingParams
+from tests.conftest import TINY, children_of, engine_core_children
+from tests.test_tensor_parallel import PROMPTS, assert_same
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, prompt_logprobs=2)
+# Pages of 16 tokens, too few for every sequence at once (preemptions); chunks of at most 48 tokens.
+ENGINE = dict(
+    dtype="float32",
+    max_num_seqs=8,
+    max_model_len=128,
+    block_size=16,
+    num_kv_blocks=24,
+    max_num_batched_tokens=48,
+)
+
+
+@pytest.fixture(scope="module")
+def five_layers(tmp_path_factory, smollm2_dir) -> str:
+    """A tiny Llama of 5 layers with tied embeddings (the last stage holds the embedding as its LM head)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("five_layers")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**dict(TINY, num_hidden_layers=5), tie_word_embeddings=True))
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.data.normal_(1.0, 0.1)
+    model.save_pretrained(path)
+    for f in Path(smollm2_dir).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, path / f.name)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def one_process(five_layers) -> list:
+    return run(five_layers, enforce_eager=True)[0]
+
+
+def run(model: str, **engine_args) -> tuple[list, dict]:
+    """Greedy outputs with prompt logprobs, then the longest prompt again twice, without them: from the
+    prefix cache (prompt logprobs need every position's logits, which a cache hit skips)."""
+    with LLM(model, **ENGINE, **engine_args) as llm:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        again = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        outs += llm.generate([PROMPTS[-1]] * 2, again, use_tqdm=False)
+        stats = llm.get_stats()
+        assert stats["kv_cache_usage"] == 0.0
+    return outs, stats
+
+
+@pytest.mark.parametrize(
+    "parallel, enforce_eager",
+    [
+        (dict(pipeline_parallel_size=2), False),
+        (dict(pipeline_parallel_size=3, pipeline_layer_partition="1,3,1", async_scheduling=True), True),
+        (dict(pipeline_parallel_size=2, tensor_parallel_size=2), True),
+    ],
+    ids=["2-stages-compiled", "3-stages-uneven-overlapped", "2-stages-of-2-ranks"],
+)
+def test_stages_match_one_process(five_layers, one_process, parallel, enforce_eager):
+    outs, stats = run(five_layers, enforce_eager=enforce_eager, **parallel)
+    assert_same(outs[: len(PROMPTS)], one_process)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in one_process]
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert not engine_core_children()
+
+
+def test_layers_are_split_as_evenly_as_can_be_or_as_asked():
+    assert partition(30, 2) == [15, 15]
+    assert partition(5, 3) == [2, 2, 1]  # the last stage computes the LM head besides
+    assert partition(7, 4) == [2, 2, 2, 1]
+    assert partition(5, 3, "1,3,1") == [1, 3, 1]
+    for bad in ("1,3", "2,2,2", "0,4,1"):
+        with pytest.raises(ValueError, match="does not split the model's 5 layers into 3 stages"):
+            partition(5, 3, bad)
+    with pytest.raises(ValueError, match="2 layers cannot fill pipeline_parallel_size=3"):
+        partition(2, 3)
+    with pytest.raises(ValueError, match="pipeline_layer_partition must be"):
+        EngineConfig(pipeline_parallel_size=2, pipeline_layer_partition="3")
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be at least 1"):
+        EngineConfig(pipeline_parallel_size=0)
+
+
+def test_each_stage_loads_only_its_own_weights():
+    state = {
+        "tok_embeddings.weight": 0,
+        "layers.0.attention.wqkv.weight": 1,
+        "layers.3.feed_forward.w2.weight": 2,
+        "layers.4.ffn_norm.weight": 3,
+        "norm.weight": 4,
+        "output.weight": 5,
+        "stray.weight": 6,
+    }
+    first, middle, last = (
+        Stage(r, 3, a, b, 5, tied=True) for r, (a, b) in enumerate([(0, 1), (1, 4), (4, 5)])
+    )
+    assert first.state_dict(state) == {
+        "tok_embeddings.weight": 0,
+        "layers.0.attention.wqkv.weight": 1,
+        "stray.weight": 6,
+    }
+    assert middle.state_dict(state) == {"layers.2.feed_forward.w2.weight": 2, "stray.weight": 6}
+    assert last.state_dict(state) == {
+        "tok_embeddings.weight": 0,  # tied: the LM head's weight
+        "layers.0.ffn_norm.weight": 3,
+        "norm.weight": 4,
+        "output.weight": 5,
+        "stray.weight": 6,
+    }
+
+
+def test_too_many_stages_fail_the_engine_with_the_reason(five_layers):
+    with pytest.raises(EngineDeadError, match="5 layers cannot fill pipeline_parallel_size=6"):
+        LLM(five_layers, **ENGINE, enforce_eager=True, pipeline_parallel_size=6)
+    assert not engine_core_children()
+
+
+@pytest.mark.slow
+def test_smollm2_in_two_stages_is_token_exact_with_transformers(smollm2_dir, smollm2_hf):
+    from transformers import AutoTokenizer
+
+    from server.bench.driver import hf_greedy
+    from tests.test_llm import QUESTIONS, chat_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompts = [chat_ids(tokenizer, q) for q in QUESTIONS[:6]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    engine = dict(enforce_eager=True, max_model_len=1024, kv_cache_memory=1 << 27)
+    with LLM(dtype="float32", pipeline_parallel_size=2, **engine) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(smollm2_hf, prompt, 24)
+
+
+def test_a_dead_stage_fails_the_engine_and_leaves_no_process(five_layers):
+    engine = dict(ENGINE, max_model_len=512, num_kv_blocks=64)
+    llm = LLM(five_layers, **engine, enforce_eager=True, pipeline_parallel_size=2)
+    (core,) = engine_core_children()
+    workers = children_of(core, "compiled.worker")
+    assert len(workers) == 2
+    errors: list[BaseException] = []
+
+    def generate() -> None:
+        try:  # work that outlasts the kill however fast the machine
+            llm.generate(PROMPTS, SamplingParams(n=16, max_tokens=400, ignore_eos=True), use_tqdm=False)
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    time.sleep(2)
+    killed = time.monotonic()
+    os.kill(workers[0], signal.SIGKILL)  # the first stage: the last waits for it, blocked in a receive
+    thread.join(timeout=30)
+    assert not thread.is_alive() and len(errors) == 1 and isinstance(errors[0], EngineDeadError)
+    assert "worker 0 exited unexpectedly" in str(errors[0])
+    assert time.monotonic() - killed < 10
+    llm.shutdown()
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in [core, *workers]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not engine_core_children() and not children_of(core, "compiled.worker")

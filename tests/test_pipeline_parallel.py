@@ -138,7 +138,17 @@ def test_too_many_stages_fail_the_engine_with_the_reason(five_layers):
 
 
 @pytest.mark.slow
-def test_smollm2_in_two_stages_is_token_exact_with_transformers(smollm2_dir, smollm2_hf):
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        dict(pipeline_parallel_size=2),
+        dict(pipeline_parallel_size=3, pipeline_layer_partition="8,12,10", async_scheduling=True),
+    ],
+    ids=["2-stages", "3-stages-uneven-overlapped"],
+)
+def test_smollm2_in_stages_is_token_exact_with_transformers(smollm2_dir, smollm2_hf, parallel):
+    """Chunks of 32 tokens, a cache of 7 pages of 64 tokens for 6 chats (preemptions), then the first
+    chat twice more (prefix-cache hits)."""
     from transformers import AutoTokenizer
 
     from server.bench.driver import hf_greedy
@@ -147,10 +157,13 @@ def test_smollm2_in_two_stages_is_token_exact_with_transformers(smollm2_dir, smo
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     prompts = [chat_ids(tokenizer, q) for q in QUESTIONS[:6]]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    engine = dict(enforce_eager=True, max_model_len=1024, kv_cache_memory=1 << 27)
-    with LLM(dtype="float32", pipeline_parallel_size=2, **engine) as llm:
+    engine = dict(enforce_eager=True, max_model_len=256, num_kv_blocks=8, max_num_batched_tokens=32)
+    with LLM(dtype="float32", **engine, **parallel) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
+        outs += llm.generate([prompts[0]] * 2, params, use_tqdm=False)
+        stats = llm.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    for prompt, out in zip([*prompts, prompts[0], prompts[0]], outs):
         assert out.outputs[0].token_ids == hf_greedy(smollm2_hf, prompt, 24)
 
 

@@ -83,5 +83,5 @@ class Pipe:
     def send(self, hidden: Tensor) -> None:
         if self.sending is not None:
             self.sending[0].wait()
-        hidden = hidden.contiguous()
+        hidden = hidden.clone()  # a CUDA graph's output is overwritten by its next replay, sent or not
         self.sending = (dist.isend(hidden, dst=self.next), hidden)

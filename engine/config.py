@@ -177,6 +177,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             "verified in one forward, output unchanged"
         ),
     ] = None
+    # One of the processes of `kiln serve --api-server-count`: "DIR:CLIENT:CLIENTS", the launcher's directory,
+    # this process's client index (0: the launcher, which starts the cores) and the number of clients.
+    api_server: str | None = None
     max_pending_requests: Annotated[
         int, _help("streaming front ends: samples held beyond max_num_seqs before more are refused (429)")
     ] = 4096
@@ -298,6 +301,28 @@ class SchedulerConfig:
     # Pipeline stages: as many steps in flight, each request in one at a time, a share of the running in each.
     pipeline_parallel_size: int = 1
     scheduling_policy: str = "fcfs"  # or "priority": by each request's priority, then arrival
+
+    @classmethod
+    def of(cls, c: EngineConfig, max_model_len: int, num_blocks: int, settling: int) -> SchedulerConfig:
+        """The scheduler's part of an engine config whose budgets are resolved."""
+        names = (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "enable_prefix_caching",
+            "enable_chunked_prefill",
+            "long_prefill_token_threshold",
+            "max_num_batched_tokens_decoding",
+            "async_scheduling",
+            "pipeline_parallel_size",
+            "scheduling_policy",
+        )
+        return cls(
+            max_model_len=max_model_len,
+            num_blocks=num_blocks,
+            settling_tokens=settling,
+            **{name: getattr(c, name) for name in names},
+        )
 
     def __post_init__(self) -> None:
         lows = dict(max_model_len=2, num_blocks=2, max_num_seqs=1, max_num_batched_tokens=1, block_size=1)

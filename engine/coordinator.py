@@ -1,7 +1,9 @@
-"""The data-parallel coordinator, in the front end: which engine core a new request goes to.
+"""The data-parallel coordinator: which engine core a new request goes to, decided in each front end, and,
+under `kiln serve --api-server-count`, the process that gives every API server the cores' own view.
 
 Load is what the front end knows without asking: the requests it sent a core that have not finished
-(that core's waiting + running), plus the core's KV-cache usage as of its last output, a full cache
+(that core's waiting + running; with several API servers, the core's own count of every server's, as
+last reported, where that is more), plus the core's KV-cache usage as of its last output, a full cache
 weighing as much as a full batch. Prefix affinity: what each core's prefix cache holds, as the chained
 block hashes it keys blocks by, from the events its KV-cache manager publishes (blocks stored, evicted,
 the cache reset), plus the prompts of the requests it was sent and has not finished, which it will store
@@ -12,11 +14,16 @@ the least loaded core.
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
+import msgspec
+import zmq
+
 from engine.kv_cache_manager import extend_block_hashes
-from engine.messages import KVCacheEvents
+from engine.messages import CoreLoad, KVCacheEvents
+from engine.processes import die_with_parent
 
 AFFINITY_SLACK = 0.25  # of max_num_seqs: how much busier a core holding the prefix may be and still win
 
@@ -32,13 +39,14 @@ class Coordinator:
         self.in_flight: list[set[str]] = [set() for _ in range(num_cores)]
         self.owner: dict[str, int] = {}
         self.kv_usage = [0.0] * num_cores
+        self.queued = [0] * num_cores  # each core's running + waiting as it last reported (API servers)
         self.live = [True] * num_cores
         self.cached: list[set[bytes]] = [set() for _ in range(num_cores)]
         self.pending: list[Counter[bytes]] = [Counter() for _ in range(num_cores)]
         self.prompts: dict[str, list[bytes]] = {}  # in-flight request id -> its prompt's block hashes
 
     def load(self, core: int) -> float:
-        return len(self.in_flight[core]) + self.kv_usage[core] * self.max_num_seqs
+        return max(len(self.in_flight[core]), self.queued[core]) + self.kv_usage[core] * self.max_num_seqs
 
     def route(self, token_ids: Sequence[int], cache_salt: str | None, request_ids: list[str]) -> int:
         """Pick a live core for a prompt (and its n samples, `request_ids`, which share it) and record
@@ -84,6 +92,13 @@ class Coordinator:
         cached.difference_update(events.removed)
         cached.update(events.stored)
 
+    def apply_load(self, load: CoreLoad) -> None:
+        """A core's report through the DP coordinator process (API servers)."""
+        i = load.engine_index
+        self.queued[i], self.kv_usage[i] = load.num_running + load.num_waiting, load.kv_cache_usage
+        if load.kv_events is not None:
+            self.apply_events(i, load.kv_events)
+
     def core_died(self, core: int) -> list[str]:
         """Take a core out of routing; return the request ids it held (they can no longer finish)."""
         self.live[core] = False
@@ -101,3 +116,37 @@ class Coordinator:
         """How many leading blocks of a prompt (its block `hashes`) `core` holds or is computing."""
         cached, pending = self.cached[core], self.pending[core]
         return next((n for n, h in enumerate(hashes) if h not in cached and h not in pending), len(hashes))
+
+
+def serve(directory: str, num_cores: int) -> None:
+    """The DP coordinator process: each core's CoreLoad (engine/api_clients.py) as it comes, passed on to
+    every API server, and each core's whole cache as one reset-and-store to every new subscriber (so a
+    server that starts late routes on what is cached already)."""
+    ctx = zmq.Context()
+    cores, view = ctx.socket(zmq.PULL), ctx.socket(zmq.XPUB)
+    view.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, for a snapshot each
+    cores.bind(f"ipc://{directory}/coordinator")
+    view.bind(f"ipc://{directory}/view")
+    decoder, encoder = msgspec.msgpack.Decoder(CoreLoad), msgspec.msgpack.Encoder()
+    mirror = Coordinator(num_cores, 0, 0)  # the cores' loads and caches, not routing
+    poller = zmq.Poller()
+    poller.register(cores, zmq.POLLIN)
+    poller.register(view, zmq.POLLIN)
+    while True:
+        ready = dict(poller.poll())
+        if view in ready and view.recv()[:1] == b"\x01":
+            for i in range(num_cores):
+                cached = KVCacheEvents(True, [], sorted(mirror.cached[i]))
+                view.send(encoder.encode(CoreLoad(i, mirror.queued[i], 0, mirror.kv_usage[i], cached)))
+        if cores in ready:
+            frame = cores.recv()
+            try:
+                mirror.apply_load(decoder.decode(frame))
+            except (msgspec.MsgspecError, IndexError):
+                continue
+            view.send(frame)
+
+
+if __name__ == "__main__":  # python -m engine.coordinator DIR NUM_CORES PARENT_PID
+    die_with_parent(int(sys.argv[3]))
+    serve(sys.argv[1], int(sys.argv[2]))

@@ -9,6 +9,7 @@ on another host (`kiln serve --headless`); either way StartCore comes first, and
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
@@ -20,6 +21,7 @@ import msgspec
 import zmq
 
 from engine import cluster
+from engine.api_clients import ApiClients
 from engine.config import EngineConfig
 from engine.executor import StepResult, make_executor, worker_class
 from engine.headless import HOST_FAILED
@@ -27,11 +29,13 @@ from engine.messages import (
     AbortRequests,
     CoreFailed,
     CoreInput,
+    CoreLoad,
     CoreReady,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     Heartbeat,
+    Hello,
     KVCacheEvents,
     Shutdown,
     StartCore,
@@ -74,21 +78,7 @@ class EngineCore:
         )
         logger.info("engine ready in %.1f s after loading weights", time.perf_counter() - start)
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=c.max_num_seqs,
-                max_num_batched_tokens=c.max_num_batched_tokens,
-                max_model_len=self.executor.max_model_len,
-                block_size=c.block_size,
-                num_blocks=self.num_blocks,
-                enable_prefix_caching=c.enable_prefix_caching,
-                enable_chunked_prefill=c.enable_chunked_prefill,
-                long_prefill_token_threshold=c.long_prefill_token_threshold,
-                max_num_batched_tokens_decoding=c.max_num_batched_tokens_decoding,
-                settling_tokens=SETTLING_TOKENS,
-                async_scheduling=c.async_scheduling,
-                pipeline_parallel_size=c.pipeline_parallel_size,
-                scheduling_policy=c.scheduling_policy,
-            ),
+            SchedulerConfig.of(c, self.executor.max_model_len, self.num_blocks, SETTLING_TOKENS),
             structured=self.structured,
             proposer=make_proposer(c.speculative_config),
         )
@@ -193,14 +183,24 @@ class EngineCoreProc:
     another front end's StartCore comes, for its host to start a fresh core."""
 
     def __init__(
-        self, input_addr: str, output_addr: str, listen: bool = False, key_file: str | None = None
+        self,
+        input_addr: str,
+        output_addr: str,
+        listen: bool = False,
+        key_file: str | None = None,
+        clients: tuple[str, int] | None = None,
     ) -> None:
+        """`clients`: the launcher's directory and the number of clients, for a core started for several API
+        servers (engine/api_clients.py), which binds its input there."""
         self.ctx = zmq.Context(io_threads=1)
         self.input = self.ctx.socket(zmq.PULL)
         self.output = self.ctx.socket(zmq.ROUTER if listen else zmq.PUSH)
         self.listen, self.key_file, self.auth, self.refused = listen, key_file, None, []
         self.session: bytes | None = None
-        if listen:
+        self.clients = ApiClients(self.ctx, *clients) if clients else None
+        if clients:
+            self.input.bind(input_addr)
+        elif listen:
             key = cluster.load_key(key_file)
             self.auth = cluster.authenticator(self.ctx, key)  # before the first peer can connect
             self.refused = [cluster.RefusedConnections(self.input, input_addr)]
@@ -216,9 +216,12 @@ class EngineCoreProc:
         self.engine_index = 0
         self.last_heard = time.monotonic()
 
-    def send(self, msg) -> None:
+    def send(self, msg, client: int | None = None) -> None:
+        """`msg` to the front end (`client`: to that API server; None: to every one)."""
         frame = self.encoder.encode(msg)
-        if not self.listen:
+        if self.clients is not None:
+            self.clients.send(frame, client)
+        elif not self.listen:
             self.output.send(frame, copy=False)
         elif self.session is not None:  # a ROUTER drops what its front end, gone, cannot take
             self.output.send_multipart([self.session, frame], copy=False)
@@ -228,7 +231,9 @@ class EngineCoreProc:
             worker_class().prepare()  # seconds of imports that overlap the front end's own start
             start = self._receive()
             while not isinstance(start, StartCore):  # heartbeats, or what a core before this one missed
-                if not isinstance(start, Heartbeat | None):
+                if isinstance(start, Hello) and self.clients is not None:
+                    self.clients.greeted.add(start.client)
+                elif not isinstance(start, Heartbeat | None):
                     logger.warning("dropped %s: StartCore comes first", type(start).__name__)
                 start = self._receive()
             self.engine_index, self.session = start.engine_index, start.session
@@ -236,7 +241,7 @@ class EngineCoreProc:
             if self.listen:  # this host's key, not the front end's path to its own
                 config = msgspec.structs.replace(config, cluster_key_file=self.key_file)
             self.core = EngineCore(config, start.model_dir, start.gguf_file)
-            if start.publish_kv_events:
+            if start.publish_kv_events or self.clients is not None:
                 self.core.scheduler.kv_cache_manager.block_pool.record_events()
         except Exception as e:
             logger.exception("engine core failed to start")
@@ -248,6 +253,8 @@ class EngineCoreProc:
                 # Idle: block until something arrives. Busy: take only what is already queued.
                 if not self._drain_inputs(block=not self.core.has_work()):
                     return
+                if self.clients is not None and (gone := self.clients.gone()):
+                    self.core.abort_requests(gone)  # their API server is gone: nobody reads them
                 if outputs := self.core.step():
                     self._send_outputs(outputs)
         except Exception as e:
@@ -297,11 +304,16 @@ class EngineCoreProc:
                 break
             flags = zmq.NOBLOCK
             if isinstance(msg, EngineCoreRequest):
+                if self.clients is not None:
+                    self.clients.owner.update(dict.fromkeys(msg.sample_ids(), msg.client))
                 outputs.extend(self.core.add_request(msg))
             elif isinstance(msg, AbortRequests):
                 outputs.extend(self.core.abort_requests(msg.request_ids))
             elif isinstance(msg, UtilityCall):
-                self.send(self._utility(msg))
+                self.send(self._utility(msg), msg.client)
+            elif isinstance(msg, Hello) and self.clients is not None:
+                self.clients.greeted.add(msg.client)
+                self.send(self.core.ready_message(self.engine_index), msg.client)
             elif isinstance(msg, Shutdown):
                 return False
             elif isinstance(msg, StartCore) and msg.session != self.session:  # engine/core_procs.py
@@ -316,7 +328,15 @@ class EngineCoreProc:
         pool = self.core.scheduler.kv_cache_manager.block_pool
         events = pool.take_kv_events()
         events = KVCacheEvents(*events) if events is not None else None
-        self.send(EngineCoreOutputs(outputs, self.engine_index, pool.usage, events))
+        if self.clients is None:
+            self.send(EngineCoreOutputs(outputs, self.engine_index, pool.usage, events))
+            return
+        for client, outs in self.clients.by_client(outputs).items():
+            self.send(EngineCoreOutputs(outs, self.engine_index, pool.usage), client)
+        s = self.core.scheduler
+        load = CoreLoad(self.engine_index, len(s.running), s.num_waiting, pool.usage, events)
+        with contextlib.suppress(zmq.Again):  # the coordinator gone: routing goes on without its view
+            self.clients.coordinator.send(self.encoder.encode(load), copy=False, flags=zmq.NOBLOCK)
 
     def _utility(self, call: UtilityCall) -> UtilityResult:
         result, error = None, f"unknown utility {call.method!r}"
@@ -329,8 +349,9 @@ class EngineCoreProc:
 
 
 def main() -> None:
-    """`python -m engine.core IN OUT PARENT_PID`, started by a front end, or `--listen tcp://HOST:PORT
-    [--cluster-key-file FILE]`, headless: waiting there (and on PORT+1) for a front end, until it leaves."""
+    """`python -m engine.core IN OUT PARENT_PID`, started by a front end; `--shared DIR INDEX CLIENTS
+    PARENT_PID`, by the launcher of several API servers; or `--listen tcp://HOST:PORT [--cluster-key-file
+    FILE]`, headless: waiting there (and on PORT+1) for a front end, until it leaves."""
     logging.basicConfig(
         level=os.environ.get("KILN_LOG_LEVEL", "INFO"),
         stream=sys.stderr,
@@ -352,7 +373,7 @@ def main() -> None:
             sys.exit(HOST_FAILED)
         proc.run()
         return
-    parent = int(sys.argv[3])
+    parent = int(sys.argv[-1])
     die_with_parent(parent)
 
     def on_sigterm(*_: object) -> None:
@@ -364,7 +385,11 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
-    EngineCoreProc(sys.argv[1], sys.argv[2]).run()
+    if sys.argv[1] == "--shared":  # DIR INDEX CLIENTS: started for several API servers
+        directory, index, clients = sys.argv[2], sys.argv[3], int(sys.argv[4])
+        EngineCoreProc(f"ipc://{directory}/in{index}", "", clients=(directory, clients)).run()
+    else:
+        EngineCoreProc(sys.argv[1], sys.argv[2]).run()
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ import collections
 import contextlib
 import itertools
 import logging
-import shutil
+import os
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -29,11 +30,12 @@ from engine import cluster
 from engine import messages as m
 from engine.config import EngineConfig
 from engine.coordinator import Coordinator
-from engine.core_procs import CoreProcess, RemoteCore, stop_process
+from engine.core_procs import CoreProcess, RemoteCore, SharedCore, release
 from engine.errors import EngineDeadError
 
 logger = logging.getLogger("kiln")
 POLL_MS = 200  # how often a waiting client checks that the core process is alive
+_LOAD = msgspec.msgpack.Decoder(m.CoreLoad)
 
 
 class CoreClient:
@@ -51,6 +53,10 @@ class CoreClient:
         self.ctx = zmq.Context()
         self.ctx.setsockopt(zmq.LINGER, 0)  # closing never waits for unsent messages
         remote = bool(config.engine_core_addresses)
+        shared = config.api_server.rsplit(":", 2) if config.api_server else None
+        self.client_index = int(shared[1]) if shared else 0  # which of several API servers (0: launcher)
+        self.view: zmq.Socket | None = None  # the DP coordinator's, for an API server
+        launched: list[subprocess.Popen] = []
         # Headless cores route their outputs to the front end that started them: this one's session.
         self.session = f"kiln-{uuid.uuid4().hex}".encode()
         self.output = self.ctx.socket(zmq.DEALER if remote else zmq.PULL)
@@ -68,6 +74,18 @@ class CoreClient:
                 cluster.connect(self.output, core.output_address, key)
             heartbeat = self.encoder.encode(m.Heartbeat(self.session))
             self.heartbeats = cluster.Heartbeats(self.ctx, addresses, key, heartbeat)
+        elif shared:  # engine/api_clients.py: the launcher starts the cores and the DP coordinator
+            directory, n, clients = shared[0], config.data_parallel_size, int(shared[2])
+            self.output.bind(f"ipc://{directory}/out{self.client_index}")
+            starts = clients if self.client_index == 0 else None
+            self.cores = [SharedCore(self.ctx, i, directory, starts) for i in range(n)]
+            if starts:
+                cmd = [sys.executable, "-m", "engine.coordinator", directory, str(n), str(os.getpid())]
+                launched.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
+            else:
+                self.view = self.ctx.socket(zmq.SUB)
+                self.view.setsockopt(zmq.SUBSCRIBE, b"")
+                self.view.connect(f"ipc://{directory}/view")
         else:
             self.output.bind(out_addr)
             n = config.data_parallel_size
@@ -78,10 +96,14 @@ class CoreClient:
         self._call_ids = itertools.count()
         # Runs on shutdown, when the client is collected, or at interpreter exit, whichever comes first:
         # a script that falls off its end with the engine alive still exits.
-        procs = [core.proc for core in self.cores if core.proc is not None]
-        self._finalizer = weakref.finalize(self, _release, procs, self.heartbeats, self.ctx, self.ipc_dir)
+        procs = [core.proc for core in self.cores if core.proc is not None] + launched
+        self._finalizer = weakref.finalize(self, release, procs, self.heartbeats, self.ctx, self.ipc_dir)
 
     def start(self, config: EngineConfig, model_dir: str, gguf_file: str | None = None) -> None:
+        if self.view is not None:  # an API server: the launcher started the cores
+            for core in self.cores:
+                self.send(core, m.Hello(self.client_index))
+            return
         for core in self.cores:
             # A headless core has its host to itself; local ones share this one.
             rank = 0 if isinstance(core, RemoteCore) else core.index
@@ -152,7 +174,7 @@ class CoreClient:
     def add_request(self, request: m.EngineCoreRequest) -> None:
         """Send one prompt (with its n samples) to the core the coordinator picks for it."""
         self.check_alive()
-        ids = request.sample_ids()
+        ids, request.client = request.sample_ids(), self.client_index
         self.send(
             self.cores[self.coordinator.route(request.prompt_token_ids, request.cache_salt, ids)], request
         )
@@ -191,7 +213,7 @@ class CoreClient:
         calls = {}
         for core in self.cores:
             if not core.dead:
-                call = m.UtilityCall(next(self._call_ids), method, list(args))
+                call = m.UtilityCall(next(self._call_ids), method, list(args), self.client_index)
                 self.send(core, call)
                 calls[call.call_id] = core.index
         return calls
@@ -206,6 +228,8 @@ class CoreClient:
         """Stop the core processes and release the sockets; safe to call more than once."""
         stopping = []
         for core in self.cores:
+            if isinstance(core, SharedCore) and core.proc is None:  # the launcher's to stop
+                continue
             if not core.gone() and core.ready is None:  # still starting: nothing to finish cleanly
                 core.kill()
             elif not core.gone():
@@ -219,19 +243,6 @@ class CoreClient:
         self._finalizer()
         if self.dead is None:
             self.dead = "engine core was shut down"
-
-
-def _release(
-    procs: list[subprocess.Popen], heartbeats: cluster.Heartbeats | None, ctx: zmq.Context, ipc_dir: str
-) -> None:
-    """Kill the core processes still running (a clean stop is `shutdown`'s); close every socket at once."""
-    for proc in procs:
-        stop_process(proc)
-    if heartbeats is not None:
-        heartbeats.stop()  # before its sockets close under it
-    if not ctx.closed:
-        ctx.destroy(linger=0)
-    shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
 class SyncCoreClient(CoreClient):
@@ -337,6 +348,9 @@ class AsyncCoreClient(CoreClient):
                             call[1].set_result(msg)
                     elif outputs := self._apply(msg):
                         await on_outputs(outputs)
+                while self.view is not None and self.view.poll(0):  # the DP coordinator's view
+                    with contextlib.suppress(msgspec.MsgspecError):
+                        self.coordinator.apply_load(_LOAD.decode(self.view.recv()))
                 self.check_alive()
                 while self.lost:
                     on_lost(*self.lost.pop(0))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 
@@ -81,6 +82,47 @@ class RemoteCore(CoreProcess):
         """Nothing to kill here: the core stops itself once its front end falls silent."""
 
 
+class SharedCore(CoreProcess):
+    """An engine core started for several API servers (engine/api_clients.py), reached at its input in
+    the launcher's directory. The launcher (`clients` given) starts it; an API server finds it gone once
+    its connection ends (the launcher then takes the whole server down)."""
+
+    def __init__(self, ctx: zmq.Context, index: int, directory: str, clients: int | None = None) -> None:
+        self.index = index
+        self.input = ctx.socket(zmq.PUSH)
+        self.monitor = self.input.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.input.connect(f"ipc://{directory}/in{index}")
+        cmd = [sys.executable, "-m", "engine.core", "--shared", directory, str(index), str(clients)]
+        started = clients is not None
+        self.proc = subprocess.Popen([*cmd, str(os.getpid())], stdin=subprocess.DEVNULL) if started else None
+
+    why: str | None = None
+
+    def gone(self) -> str | None:
+        if self.proc is not None:
+            return super().gone()
+        if self.why is None and self.monitor.poll(0):
+            self.why = "went away (its connection dropped)"
+        return self.why
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc)
+
+
 def stop_process(proc: subprocess.Popen) -> None:
     proc.kill()  # nothing if it has exited (Popen checks)
     proc.wait()
+
+
+def release(
+    procs: list[subprocess.Popen], heartbeats: cluster.Heartbeats | None, ctx: zmq.Context, ipc_dir: str
+) -> None:
+    """Kill the core processes still running (a clean stop is `shutdown`'s); close every socket at once."""
+    for proc in procs:
+        stop_process(proc)
+    if heartbeats is not None:
+        heartbeats.stop()  # before its sockets close under it
+    if not ctx.closed:
+        ctx.destroy(linger=0)
+    shutil.rmtree(ipc_dir, ignore_errors=True)

@@ -27,6 +27,7 @@ class EngineCoreRequest(msgspec.Struct, tag=True, array_like=True):
     arrival_time: float
     eos_token_id: int | None = None
     cache_salt: str | None = None
+    client: int = 0  # the API server it came from (`kiln serve --api-server-count`): its outputs go there
 
     def sample_ids(self) -> list[str]:
         """The samples' request ids: the request's own for one sample, "<id>#<i>" for several."""
@@ -59,6 +60,7 @@ class UtilityCall(msgspec.Struct, tag=True, array_like=True):
     call_id: int
     method: str
     args: list[Any] = []
+    client: int = 0  # the API server that asks: the result goes there
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
@@ -82,7 +84,14 @@ class Heartbeat(msgspec.Struct, tag=True, array_like=True):
     session: bytes = b""  # the front end's StartCore.session: another front end's heartbeat is not one
 
 
-CoreInput = EngineCoreRequest | AbortRequests | UtilityCall | Shutdown | StartCore | Heartbeat
+class Hello(msgspec.Struct, tag=True, array_like=True):
+    """An API server's first message to a core started for several (`kiln serve --api-server-count`):
+    the core answers with its CoreReady once it is ready, and sends the client its requests' outputs."""
+
+    client: int
+
+
+CoreInput = EngineCoreRequest | AbortRequests | UtilityCall | Shutdown | StartCore | Heartbeat | Hello
 
 
 # ---- engine core -> front end ----------------------------------------------------------------
@@ -150,6 +159,21 @@ class CoreFailed(msgspec.Struct, tag=True, array_like=True):
 
 
 CoreOutput = EngineCoreOutputs | UtilityResult | CoreReady | CoreFailed
+
+
+# ---- engine core -> DP coordinator -> API servers ---------------------------------------------------
+
+
+class CoreLoad(msgspec.Struct, tag=True, array_like=True):
+    """A core's load and its prefix cache's changes since its last CoreLoad, for the DP coordinator
+    (engine/coordinator.py), which passes them on to every API server; a late subscriber gets each core's
+    whole cache as one reset-and-store."""
+
+    engine_index: int
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    kv_events: KVCacheEvents | None = None
 
 
 # ---- engine core <-> worker processes (tensor parallelism) --------------------------------------

@@ -1,20 +1,17 @@
 """Continuous batching in the vLLM V1 style: no prefill or decode phases, one token budget per step.
 
-Each ``schedule()`` spends ``max_num_batched_tokens`` over at most ``max_num_seqs`` requests:
-running ones first (decodes and unfinished prefill chunks alike), then waiting ones, both in the
-scheduling policy's order (engine/request_queue.py): fcfs, or by priority then arrival.
-A request is just ``num_computed_tokens`` chasing ``num_tokens``.
-
-``num_computed_tokens`` advances in ``schedule()`` (as in vLLM): the runner receives the value the
-step starts from, and after ``schedule()`` it already counts the step's tokens. So a request is
-still prefilling after a step iff ``num_computed_tokens < num_tokens``; it gets a sampled token in
-``update_from_output()`` otherwise.
+Each ``schedule()`` spends ``max_num_batched_tokens`` over at most ``max_num_seqs`` requests: running ones
+first (decodes and unfinished prefill chunks alike), then waiting ones, both in the scheduling policy's
+order (engine/request_queue.py): fcfs, or by priority then arrival. A request is just
+``num_computed_tokens`` chasing ``num_tokens``, which advances in ``schedule()`` (as in vLLM): the runner
+receives the value the step starts from. So a request is still prefilling after a step iff
+``num_computed_tokens < num_tokens``; it gets a sampled token in ``update_from_output()`` otherwise.
 
 With ``async_scheduling``, step N+1 is scheduled before step N's tokens are back: a sampling step leaves an
 output placeholder, whose position the next step computes all the same (the runner appends what it samples to
 its own tokens). A request that may stop on the pending token, or whose grammar must see it, waits for it.
-With pipeline stages every request waits for its token (the last stage samples, the first needs it, sent
-in the next step), and each of the steps in flight takes a share of the running requests.
+With pipeline stages every request waits for its token (the last stage samples it, the next step sends it
+to all), and each of the steps in flight takes a share of the sampling requests.
 
 Preemption is by recompute: the last running request in the policy's order (fcfs: the most recently
 admitted; priority: the lowest priority) gives up its blocks, keeps its tokens (prompt and outputs) and
@@ -189,15 +186,16 @@ class Scheduler:
         preempted = False
 
         running = self.running
-        seats = -(-len(running) // cfg.pipeline_parallel_size)  # the steps in flight share the running
+        seats = -(-len(running) // cfg.pipeline_parallel_size)  # the steps in flight share the sampling
         i = 0
-        while i < len(running) and budget > 0 and len(out.cached_reqs) < seats:
+        while i < len(running) and budget > 0:
             req = running[i]
             left = req.num_known_tokens - req.num_computed_tokens
             n = min(left, budget, cap)
-            if n <= 0 or (req.num_output_placeholders and self._awaits_output(req)):
-                i += 1  # nothing to compute until its sampled token arrives
+            if n <= 0 or self._awaits_output(req) or (n == left and not seats):
+                i += 1  # nothing to compute until its sampled token arrives, or no seat for its sample
                 continue
+            seats -= n == left
             drafts = self._drafts(req, budget - 1) if left == 1 else []  # decoding: its next token drafted
             n += len(drafts)
             while (new_blocks := kv.allocate_slots(req, n)) is None:
@@ -291,6 +289,8 @@ class Scheduler:
     def _awaits_output(self, req: Request) -> bool:
         """Whether a request with tokens in flight must see them before it computes more (always, across
         pipeline stages: the last samples, the first needs the token)."""
+        if not req.num_output_placeholders:
+            return False
         sp, known = req.sampling_params, req.num_known_tokens
         past_max = sp.max_tokens is not None and known - req.num_prompt_tokens >= sp.max_tokens
         pipelined = self.config.pipeline_parallel_size > 1
@@ -333,7 +333,7 @@ class Scheduler:
         num_waiting = 0  # of the finished: preempted while their step ran (overlapped scheduling only)
         all_logprobs = runner_output.logprobs
         for req in filter(None, map(self.requests.get, scheduler_output.num_scheduled_tokens)):
-            req.num_steps_in_flight -= 1
+            req.num_steps_in_flight = max(req.num_steps_in_flight - 1, 0)  # 0: an id used again meanwhile
         for rid, (start, entries) in runner_output.prompt_logprobs.items():
             if (req := self.requests.get(rid)) is not None and req.prompt_logprobs is not None:
                 req.prompt_logprobs[start : start + len(entries)] = entries

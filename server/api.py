@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import functools
 import logging
+import os
 import re
 import resource
 import signal
@@ -29,6 +30,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from engine.errors import EngineDeadError
+from engine.processes import die_with_parent
 from server.errors import APIError, as_api_error, json_response
 from server.guard import APIKeyMiddleware, RequestGuard
 from server.protocol import HealthResponse, ModelCard, ModelList, TokenizerInfoResponse, VersionResponse
@@ -264,7 +266,13 @@ def serve(
     exit_on_engine_death: bool = False,
     allowed_origins: Sequence[str] = (),
     allowed_hosts: Sequence[str] = (),
+    api_server_count: int = 1,
+    api_server: str | None = None,
+    argv: Sequence[str] = (),
 ) -> int:
+    """`api_server_count` > 1: this process launches that many API servers (server/launcher.py), each
+    `kiln serve` run again from `argv` with `api_server` ("DIR:CLIENT:CLIENTS:FD", the launcher's directory,
+    its client index and count, and the listening socket it inherits)."""
     import uvicorn
 
     from engine.async_llm import AsyncLLM
@@ -273,11 +281,29 @@ def serve(
     engine_args = dict(engine_args or {})
     # Bad engine flags fail here, before anything starts.
     c = EngineConfig(model=model, **{"usage": "serving", **engine_args})
+    if api_server_count > 1 and c.engine_core_addresses:
+        raise ValueError(
+            "--api-server-count starts its engine cores itself: not with --engine-core-addresses"
+        )
     try:
-        sock = _bind(host, port)
+        if api_server:  # one of the launcher's (server/launcher.py): it goes with it
+            die_with_parent(os.getppid())
+            attach, fd = api_server.rsplit(":", 1)
+            sock, engine_args["api_server"] = socket.socket(fileno=int(fd)), attach
+        else:
+            sock = _bind(host, port)
     except OSError as e:
         logger.error("cannot listen on %s:%d: %s", host, port, e)
         return 1
+    if api_server_count > 1 and not api_server:
+        from server.launcher import launch
+
+        try:
+            return launch(
+                model, sock, api_server_count, {**engine_args, "usage": "serving"}, argv, shutdown_timeout
+            )
+        finally:
+            sock.close()
     url = f"http://{host if ':' not in host else f'[{host}]'}:{sock.getsockname()[1]}"
     raise_open_file_limit()
     return_large_buffers_to_the_system()
@@ -302,6 +328,8 @@ def serve(
                 await asyncio.sleep(0.5)
 
         def handle_exit(self, sig: int, frame) -> None:
+            if api_server and sig == signal.SIGINT:  # Ctrl-C is the launcher's, which sends SIGTERM
+                return
             if serving.draining or not self.started:  # a second signal, or none served yet: stop now
                 super().handle_exit(sig, frame)
                 return

@@ -81,6 +81,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.model_path or args.model,
         host=args.host,
         port=args.port,
+        api_server_count=args.api_server_count,
+        api_server=args.api_server,
+        argv=args.argv,
         api_key=args.api_key,
         engine_args={**engine_args(args), "served_model_name": args.served_model_name},
         max_body_bytes=args.max_request_body_bytes,
@@ -133,6 +136,14 @@ def add_serve_parser(sub) -> None:
         action="store_true",
         help="exit (code 1) when the engine core dies, for a supervisor to restart; default: answer 503",
     )
+    serve.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="HTTP server processes on the port, each tokenizing and detokenizing for its own requests, all "
+        "reaching every engine core (scale it with --data-parallel-size)",
+    )
+    serve.add_argument("--api-server", default=None, help=argparse.SUPPRESS)  # one of those, started by it
     serve.add_argument(
         "--headless",
         action="store_true",
@@ -202,8 +213,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = parser.parse_args(argv)
+    args.argv = argv  # what `kiln serve --api-server-count` runs again in each API server
+    api = getattr(args, "api_server", None)  # one of several API servers: its lines say which
+    where = f"[api {api.split(':')[-3]}] " if api else ""
     logging.basicConfig(
-        level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s", datefmt="%H:%M:%S"
+        level=logging.INFO, format=f"%(levelname)s %(asctime)s {where}%(message)s", datefmt="%H:%M:%S"
     )
     try:
         return args.func(args)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from engine.output_processor import RequestOutput
@@ -88,6 +89,13 @@ class ServerMetrics:
         self.queue_time = histogram("kiln:request_queue_time_seconds", "Time from arrival to first scheduled")
         self.engine = EngineStatsCollector(model_name)
         r.register(self.engine)
+        self.scraped = r
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # one of several API servers: every one's counts
+            from prometheus_client import multiprocess
+
+            self.scraped = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self.scraped)
+            self.scraped.register(self.engine)
         # Export every series from the start, at zero, rather than once it first moves.
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)
@@ -98,7 +106,7 @@ class ServerMetrics:
     def render(self) -> bytes:
         from prometheus_client import generate_latest
 
-        return generate_latest(self.registry)
+        return generate_latest(self.scraped)
 
 
 class EngineStatsCollector:

@@ -4,6 +4,7 @@ overlapped scheduling; splits that cannot be made are refused; a dead stage fail
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -20,6 +21,9 @@ from engine.config import pipeline_partition as partition
 from engine.errors import EngineDeadError
 from engine.llm import LLM
 from engine.params import SamplingParams
+from engine.request import Request
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.step import ModelRunnerOutput
 from tests.conftest import TINY, children_of, engine_core_children
 from tests.test_tensor_parallel import PROMPTS, assert_same
 
@@ -74,10 +78,9 @@ def run(model: str, **engine_args) -> tuple[list, dict]:
     "parallel, enforce_eager",
     [
         (dict(pipeline_parallel_size=2), False),
-        (dict(pipeline_parallel_size=3, pipeline_layer_partition="1,3,1", async_scheduling=True), True),
-        (dict(pipeline_parallel_size=2, tensor_parallel_size=2), True),
+        (dict(pipeline_parallel_size=2, tensor_parallel_size=2, async_scheduling=True), True),
     ],
-    ids=["2-stages-compiled", "3-stages-uneven-overlapped", "2-stages-of-2-ranks"],
+    ids=["2-stages-compiled", "2-stages-of-2-ranks-overlapped"],
 )
 def test_stages_match_one_process(five_layers, one_process, parallel, enforce_eager):
     outs, stats = run(five_layers, enforce_eager=enforce_eager, **parallel)
@@ -131,6 +134,28 @@ def test_each_stage_loads_only_its_own_weights():
     }
 
 
+def test_steps_in_flight_share_the_sampling_requests_and_prefill_chunks_take_no_seat():
+    cfg = SchedulerConfig(
+        max_model_len=512, num_blocks=64, block_size=16, max_num_batched_tokens=64, max_num_seqs=4
+    )
+    s = Scheduler(dataclasses.replace(cfg, long_prefill_token_threshold=16, pipeline_parallel_size=2))
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    for rid, n in (("b", 4), ("c", 4), ("a", 200)):
+        s.add_request(Request(rid, list(range(1, n + 1)), greedy))
+    first = s.schedule()  # all three admitted: b and c sample, a's first chunk
+    assert first.num_scheduled_tokens == {"b": 4, "c": 4, "a": 16}
+    second = s.schedule()  # b and c wait for their tokens; a's next chunk goes on
+    assert second.num_scheduled_tokens == {"a": 16}
+    s.update_from_output(first, ModelRunnerOutput(["b", "c", "a"], [[7], [7], []]))
+    third = s.schedule()  # 3 running over 2 stages: 2 seats for samples, beside a's chunk
+    assert third.num_scheduled_tokens == {"b": 1, "c": 1, "a": 16}
+    assert [c.new_token_ids for c in third.cached_reqs] == [[7], [7], []]
+    s.update_from_output(second, ModelRunnerOutput(["a"], [[]]))
+    s.update_from_output(third, ModelRunnerOutput(["b", "c", "a"], [[8], [8], []]))
+    fourth = s.schedule()
+    assert fourth.num_scheduled_tokens == {"b": 1, "c": 1, "a": 16}
+
+
 def test_too_many_stages_fail_the_engine_with_the_reason(five_layers):
     with pytest.raises(EngineDeadError, match="5 layers cannot fill pipeline_parallel_size=6"):
         LLM(five_layers, **ENGINE, enforce_eager=True, pipeline_parallel_size=6)
@@ -138,17 +163,9 @@ def test_too_many_stages_fail_the_engine_with_the_reason(five_layers):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "parallel",
-    [
-        dict(pipeline_parallel_size=2),
-        dict(pipeline_parallel_size=3, pipeline_layer_partition="8,12,10", async_scheduling=True),
-    ],
-    ids=["2-stages", "3-stages-uneven-overlapped"],
-)
-def test_smollm2_in_stages_is_token_exact_with_transformers(smollm2_dir, smollm2_hf, parallel):
-    """Chunks of 32 tokens, a cache of 7 pages of 64 tokens for 6 chats (preemptions), then the first
-    chat twice more (prefix-cache hits)."""
+def test_smollm2_in_three_uneven_stages_is_token_exact_with_transformers(smollm2_dir, smollm2_hf):
+    """Overlapped scheduling, chunks of 32 tokens, a cache of 2 pages of 64 tokens for 6 chats
+    (preemptions), then two chats in one prompt, twice (prefix-cache hits)."""
     from transformers import AutoTokenizer
 
     from server.bench.driver import hf_greedy
@@ -156,14 +173,17 @@ def test_smollm2_in_stages_is_token_exact_with_transformers(smollm2_dir, smollm2
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     prompts = [chat_ids(tokenizer, q) for q in QUESTIONS[:6]]
+    longer = prompts[0] + prompts[1]  # past a 64-token page
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    engine = dict(enforce_eager=True, max_model_len=256, num_kv_blocks=8, max_num_batched_tokens=32)
+    engine = dict(enforce_eager=True, max_model_len=128, num_kv_blocks=3, max_num_batched_tokens=32)
+    parallel = dict(pipeline_parallel_size=3, pipeline_layer_partition="8,12,10", async_scheduling=True)
     with LLM(dtype="float32", **engine, **parallel) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
-        outs += llm.generate([prompts[0]] * 2, params, use_tqdm=False)
+        for _ in range(2):  # one after the other: the second finds the first's full blocks
+            outs += llm.generate([longer], params, use_tqdm=False)
         stats = llm.get_stats()
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
-    for prompt, out in zip([*prompts, prompts[0], prompts[0]], outs):
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0, stats
+    for prompt, out in zip([*prompts, longer, longer], outs):
         assert out.outputs[0].token_ids == hf_greedy(smollm2_hf, prompt, 24)
 
 

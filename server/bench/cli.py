@@ -113,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             vllm_python = vllm_cpu.python(args.vllm_python) if args.compare else None
             flags = engine_flags(args) + (["--api-key", args.api_key] if args.api_key else [])
+            flags += ["--api-server-count", str(args.api_server_count)]
             headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
             with bench_serve.launch(args.launch or None, flags) as (url, _):
                 result = serve_run(url)
@@ -295,6 +296,7 @@ def parser() -> argparse.ArgumentParser:
         "model, else the embedded SmolLM2)",
     )
     serve.add_argument("--api-key", default=os.environ.get("KILN_API_KEY") or None)
+    serve.add_argument("--api-server-count", type=int, default=1, help="with --launch: kiln's HTTP servers")
     serve.add_argument(
         "--launch",
         nargs="?",

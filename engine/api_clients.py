@@ -31,8 +31,7 @@ class ApiClients:
             self.monitors.append(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
             sock.connect(f"ipc://{directory}/out{j}")
             self.outputs.append(sock)
-        self.coordinator = ctx.socket(zmq.PUSH)
-        self.coordinator.setsockopt(zmq.SNDHWM, 0)
+        self.coordinator = ctx.socket(zmq.PUSH)  # its queue bounded: reports past it are dropped
         self.coordinator.connect(f"ipc://{directory}/coordinator")
         self.owner: dict[str, int] = {}
         self.greeted = {0}

@@ -113,9 +113,10 @@ class AsyncLLM(FrontEnd):
         self.load = [0, 0, 0]
         c = self.config
         kv_tokens = self.client.ready.num_kv_blocks * c.block_size * len(self.client.cores)
+        shares = self.client.api_servers  # several API servers: each admits its share of the queue
         self.limits = (
-            c.max_num_seqs + c.max_pending_requests,
-            c.max_pending_tokens or max(16 * kv_tokens, 4 * self.max_model_len),
+            -(-(c.max_num_seqs + c.max_pending_requests) // shares),
+            c.max_pending_tokens or max(16 * kv_tokens // shares, 4 * self.max_model_len),
             c.max_pending_constraint_bytes,
         )
 

@@ -14,6 +14,7 @@ the least loaded core.
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -125,6 +126,7 @@ def serve(directory: str, num_cores: int) -> None:
     ctx = zmq.Context()
     cores, view = ctx.socket(zmq.PULL), ctx.socket(zmq.XPUB)
     view.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, for a snapshot each
+    view.setsockopt(zmq.SNDHWM, 0)  # nothing dropped: a server's view stays whole however late it reads
     cores.bind(f"ipc://{directory}/coordinator")
     view.bind(f"ipc://{directory}/view")
     decoder, encoder = msgspec.msgpack.Decoder(CoreLoad), msgspec.msgpack.Encoder()
@@ -149,4 +151,5 @@ def serve(directory: str, num_cores: int) -> None:
 
 if __name__ == "__main__":  # python -m engine.coordinator DIR NUM_CORES PARENT_PID
     die_with_parent(int(sys.argv[3]))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's, which stops us
     serve(sys.argv[1], int(sys.argv[2]))

@@ -254,7 +254,8 @@ class EngineCoreProc:
                 if not self._drain_inputs(block=not self.core.has_work()):
                     return
                 if self.clients is not None and (gone := self.clients.gone()):
-                    self.core.abort_requests(gone)  # their API server is gone: nobody reads them
+                    # Their API server is gone: nobody reads them (the coordinator hears of the load).
+                    self._send_outputs(self.core.abort_requests(gone))
                 if outputs := self.core.step():
                     self._send_outputs(outputs)
         except Exception as e:
@@ -304,6 +305,8 @@ class EngineCoreProc:
                 break
             flags = zmq.NOBLOCK
             if isinstance(msg, EngineCoreRequest):
+                if self.clients is not None and msg.client not in self.clients.greeted:
+                    continue  # sent by an API server since gone
                 if self.clients is not None:
                     self.clients.owner.update(dict.fromkeys(msg.sample_ids(), msg.client))
                 outputs.extend(self.core.add_request(msg))

@@ -55,6 +55,7 @@ class CoreClient:
         remote = bool(config.engine_core_addresses)
         shared = config.api_server.rsplit(":", 2) if config.api_server else None
         self.client_index = int(shared[1]) if shared else 0  # which of several API servers (0: launcher)
+        self.api_servers = int(shared[2]) - 1 if shared else 1
         self.view: zmq.Socket | None = None  # the DP coordinator's, for an API server
         launched: list[subprocess.Popen] = []
         # Headless cores route their outputs to the front end that started them: this one's session.
@@ -84,6 +85,7 @@ class CoreClient:
                 launched.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
             else:
                 self.view = self.ctx.socket(zmq.SUB)
+                self.view.setsockopt(zmq.RCVHWM, 0)
                 self.view.setsockopt(zmq.SUBSCRIBE, b"")
                 self.view.connect(f"ipc://{directory}/view")
         else:
@@ -174,10 +176,17 @@ class CoreClient:
     def add_request(self, request: m.EngineCoreRequest) -> None:
         """Send one prompt (with its n samples) to the core the coordinator picks for it."""
         self.check_alive()
+        self.read_view()
         ids, request.client = request.sample_ids(), self.client_index
         self.send(
             self.cores[self.coordinator.route(request.prompt_token_ids, request.cache_salt, ids)], request
         )
+
+    def read_view(self) -> None:
+        """Apply what the DP coordinator passed on since the last call (an API server's)."""
+        while self.view is not None and self.view.poll(0):
+            with contextlib.suppress(msgspec.MsgspecError):
+                self.coordinator.apply_load(_LOAD.decode(self.view.recv()))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if not request_ids or self.dead:
@@ -348,9 +357,7 @@ class AsyncCoreClient(CoreClient):
                             call[1].set_result(msg)
                     elif outputs := self._apply(msg):
                         await on_outputs(outputs)
-                while self.view is not None and self.view.poll(0):  # the DP coordinator's view
-                    with contextlib.suppress(msgspec.MsgspecError):
-                        self.coordinator.apply_load(_LOAD.decode(self.view.recv()))
+                self.read_view()
                 self.check_alive()
                 while self.lost:
                     on_lost(*self.lost.pop(0))

@@ -13,7 +13,6 @@ import contextlib
 import ctypes
 import functools
 import logging
-import os
 import re
 import resource
 import signal
@@ -271,8 +270,8 @@ def serve(
     argv: Sequence[str] = (),
 ) -> int:
     """`api_server_count` > 1: this process launches that many API servers (server/launcher.py), each
-    `kiln serve` run again from `argv` with `api_server` ("DIR:CLIENT:CLIENTS:FD", the launcher's directory,
-    its client index and count, and the listening socket it inherits)."""
+    `kiln serve` run again from `argv` with `api_server` ("DIR:CLIENT:CLIENTS:FD:PID": the launcher's
+    directory, its client index and count, the listening socket it inherits, and the launcher's pid)."""
     import uvicorn
 
     from engine.async_llm import AsyncLLM
@@ -287,8 +286,8 @@ def serve(
         )
     try:
         if api_server:  # one of the launcher's (server/launcher.py): it goes with it
-            die_with_parent(os.getppid())
-            attach, fd = api_server.rsplit(":", 1)
+            attach, fd, launcher = api_server.rsplit(":", 2)
+            die_with_parent(int(launcher))
             sock, engine_args["api_server"] = socket.socket(fileno=int(fd)), attach
         else:
             sock = _bind(host, port)

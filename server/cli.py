@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv  # what `kiln serve --api-server-count` runs again in each API server
     api = getattr(args, "api_server", None)  # one of several API servers: its lines say which
-    where = f"[api {api.split(':')[-3]}] " if api else ""
+    where = f"[api {api.split(':')[-4]}] " if api else ""
     logging.basicConfig(
         level=logging.INFO, format=f"%(levelname)s %(asctime)s {where}%(message)s", datefmt="%H:%M:%S"
     )

@@ -50,7 +50,7 @@ def launch(
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics}
         fd = sock.fileno()
         for j in range(1, count + 1):
-            attach = f"{directory}:{j}:{count + 1}:{fd}"
+            attach = f"{directory}:{j}:{count + 1}:{fd}:{os.getpid()}"
             cmd = [sys.executable, "-m", "server.cli", *argv, "--api-server", attach]
             servers.append(subprocess.Popen(cmd, env=env, pass_fds=[fd], stdin=subprocess.DEVNULL))
         logger.info("%d API servers, %d engine cores", count, len(front.client.cores))
@@ -62,6 +62,9 @@ def launch(
                 logger.error("API server %d exited (code %d); %d go on serving", j + 1, code, len(running))
             front.client.check_alive()
             time.sleep(0.2)
+        if not stop:  # every API server is gone, none asked to
+            logger.error("every API server has exited: stopping")
+            return 1
     except EngineDeadError as e:
         logger.error("the engine failed: %s", e)
         return 1

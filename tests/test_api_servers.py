@@ -53,7 +53,7 @@ def served_by(log: Path, marker: str) -> set[str]:
 
 def test_two_api_servers_route_over_two_cores_and_outlive_each_other(tiny_chat_model, tmp_path):
     log = tmp_path / "log"
-    flags = ("--api-server-count", "2", "--data-parallel-size", "2", "--max-num-seqs", "8")
+    flags = ("--api-server-count", "2", "--data-parallel-size", "2", "--max-num-seqs", "16")
     launcher, url = start(tiny_chat_model, log, *flags)
     try:
         servers = children_of(launcher.pid, "--api-server ")
@@ -68,16 +68,16 @@ def test_two_api_servers_route_over_two_cores_and_outlive_each_other(tiny_chat_m
         series = scrape(url)
         assert all(n > 0 for n in per_engine(series, "kiln:prefix_cache_queries_total")), series
         # Any scrape counts both servers' requests.
-        for _ in range(4):
+        for _ in range(2):
             assert scrape(url)['kiln:request_success_total{finished_reason="length"}'] == 24
-        # A long prompt, then the same again one at a time, through either server: all to the core that
-        # cached it the first time.
+        # A long prompt, then the same again, a few at a time, through either server: all to the core that
+        # cached it the first time (three in flight are well within the load a cached prefix may carry).
         body = {"prompt": LONG, "max_tokens": 4, "ignore_eos": True}
         first = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
         long_tokens = first["usage"]["prompt_tokens"]
         before = per_engine(scrape(url), "kiln:prefix_cache_hits_total")
-        for _ in range(12):
-            assert complete(url, LONG) == 200
+        with ThreadPoolExecutor(3) as pool:  # three at a time: both servers take some
+            assert list(pool.map(lambda _: complete(url, LONG), range(12))) == [200] * 12
         hits = [a - b for a, b in zip(per_engine(scrape(url), "kiln:prefix_cache_hits_total"), before)]
         assert sorted(hits)[0] == 0 and sorted(hits)[1] >= 12 * 64, hits
         assert served_by(log, f"prompt_tokens={long_tokens} ") == {"1", "2"}  # LONG's came through both
@@ -89,10 +89,10 @@ def test_two_api_servers_route_over_two_cores_and_outlive_each_other(tiny_chat_m
             codes = [s.exception() or s.result() for s in streams]
         assert any(c == 200 for c in codes), codes
         assert [complete(url, f"After {i}") for i in range(4)] == [200] * 4
-        deadline = time.monotonic() + 10
-        while any(per_engine(scrape(url), "kiln:kv_cache_usage_perc")) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not any(per_engine(scrape(url), "kiln:kv_cache_usage_perc"))
+        deadline, usage = time.monotonic() + 10, [1.0]
+        while any(usage) and time.monotonic() < deadline:
+            usage = per_engine(scrape(url), "kiln:kv_cache_usage_perc")
+        assert not any(usage), usage
         # One core killed: the servers go on with the other, and say so.
         os.kill(cores[0], signal.SIGKILL)
         time.sleep(1.0)

@@ -66,11 +66,11 @@ def reference(prompts, smollm2_hf):
     "engine_args",
     [
         dict(),  # compiled, prefix caching and chunked prefill on
-        # Prompts prefill over several steps, and nothing comes from the prefix cache.
-        dict(enforce_eager=True, max_num_batched_tokens=24, enable_prefix_caching=False),
-        dict(enforce_eager=True, num_kv_blocks=12),  # too small for 16 sequences at once: forces preemption
+        # Prompts prefill over several steps, nothing comes from the prefix cache, and a cache too small
+        # for 16 sequences at once forces preemptions.
+        dict(enforce_eager=True, max_num_batched_tokens=24, enable_prefix_caching=False, num_kv_blocks=12),
     ],
-    ids=["compiled", "chunked-no-prefix-caching", "preemption"],
+    ids=["compiled", "chunked-preempted-no-prefix-caching"],
 )
 def test_greedy_is_token_exact_with_transformers(prompts, reference, engine_args):
     with LLM(

@@ -188,6 +188,8 @@ def test_smollm2_in_three_uneven_stages_is_token_exact_with_transformers(smollm2
 
 
 def test_a_dead_stage_fails_the_engine_and_leaves_no_process(five_layers):
+    """Any worker that dies (here the first stage's, the other blocked receiving from it) fails the engine
+    within seconds, naming it, and takes every other process with it."""
     engine = dict(ENGINE, max_model_len=512, num_kv_blocks=64)
     llm = LLM(five_layers, **engine, enforce_eager=True, pipeline_parallel_size=2)
     (core,) = engine_core_children()

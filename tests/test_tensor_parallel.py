@@ -1,6 +1,6 @@
 """Tensor parallelism on CPU (gloo): worker processes per rank, the same greedy tokens and prompt logits
-as one process, clear errors for models that do not split, a dead worker failing the engine, and the
-shared-memory all-reduce's sums."""
+as one process, clear errors for models that do not split, and the shared-memory all-reduce's sums (a dead
+worker failing the engine: tests/test_pipeline_parallel.py, for workers of any kind)."""
 
 from __future__ import annotations
 
@@ -166,47 +166,19 @@ def workers_of(core: int) -> list[int]:
     return children_of(core, "compiled.worker")
 
 
-def test_a_dead_worker_fails_the_engine_and_leaves_no_process(models):
-    llm = LLM(models["split"], **ENGINE, enforce_eager=True, tensor_parallel_size=2)
-    (core,) = engine_core_children()
-    workers = workers_of(core)
-    assert len(workers) == 2
-    errors: list[BaseException] = []
-
-    def generate() -> None:
-        try:
-            # 16 waves of max_num_seqs sequences: work that outlasts the kill however fast the machine
-            llm.generate(PROMPTS, SamplingParams(n=16, max_tokens=400, ignore_eos=True), use_tqdm=False)
-        except BaseException as e:
-            errors.append(e)
-
-    thread = threading.Thread(target=generate)
-    thread.start()
-    time.sleep(2)
-    os.kill(workers[1], signal.SIGKILL)
-    thread.join(timeout=30)
-    assert not thread.is_alive() and len(errors) == 1 and isinstance(errors[0], EngineDeadError)
-    assert "worker 1 exited unexpectedly" in str(errors[0])
-    llm.shutdown()
-    deadline = time.monotonic() + 10
-    while any(Path(f"/proc/{pid}").exists() for pid in [core, *workers]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not engine_core_children() and not workers_of(core)
-
-
 def test_workers_that_torchrun_starts_on_two_hosts(models, one_process, tmp_path):
-    """Two torchrun agents on loopback stand for two hosts, one rank each; the engine core waits for
-    them at its worker address, with the cluster's key. As on two hosts, the ranks talk through gloo,
-    not shared memory. Strangers at the worker address neither join, read steps nor forge replies; a
-    worker stopped (as a vanished host would be) fails the engine within 10 s, naming it, and the
-    other worker exits."""
+    """Two torchrun agents on loopback stand for two hosts, each a pipeline stage of two tensor-parallel
+    ranks; the engine core waits for them at its worker address, with the cluster's key. As on two hosts,
+    the ranks talk through gloo, not shared memory. Strangers at the worker address neither join, read
+    steps nor forge replies; a worker stopped (as a vanished host would be) fails the engine within 10 s,
+    naming it, and the other workers exit."""
     from engine.processes import free_port
     from tests.test_cluster import key_file, strangers
     from tests.test_data_parallel import listening_port
 
     port, key = listening_port(), key_file(tmp_path)
     address = f"tcp://127.0.0.1:{port}"
-    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "2", "--nproc-per-node", "1"]
+    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "2", "--nproc-per-node", "2"]
     rendezvous = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     worker = ["-m", "compiled.worker", "--connect", address, "--cluster-key-file", key]
     hosts = [
@@ -223,25 +195,26 @@ def test_workers_that_torchrun_starts_on_two_hosts(models, one_process, tmp_path
             **ENGINE,
             enforce_eager=True,
             tensor_parallel_size=2,
+            pipeline_parallel_size=2,
             worker_address=address,
             cluster_key_file=key,
         )
         pulls = strangers(port)
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert not any(pull.poll(0) for pull in pulls)
-        (rank1,) = workers_of(hosts[1].pid)
-        os.kill(rank1, signal.SIGSTOP)
+        stopped = workers_of(hosts[1].pid)[0]
+        os.kill(stopped, signal.SIGSTOP)
         start = time.monotonic()
-        with pytest.raises(EngineDeadError, match=r"kiln worker 1 on .* went away"):
+        with pytest.raises(EngineDeadError, match=r"kiln worker [23] on .* went away"):
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert time.monotonic() - start < 10
         llm.shutdown()
-        (rank0,) = workers_of(hosts[0].pid)
-        os.kill(rank1, signal.SIGKILL)  # its host never comes back: the other worker goes too
+        others = [w for host in hosts for w in workers_of(host.pid) if w != stopped]
+        os.kill(stopped, signal.SIGKILL)  # its host never comes back: the other workers go too
         deadline = time.monotonic() + 15
-        while Path(f"/proc/{rank0}").exists() and time.monotonic() < deadline:
+        while any(Path(f"/proc/{w}").exists() for w in others) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not workers_of(hosts[0].pid)
+        assert not [w for host in hosts for w in workers_of(host.pid) if w != stopped]
     finally:
         for host in hosts:
             host.kill()

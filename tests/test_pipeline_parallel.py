@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import signal
 import threading
 import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from compiled.pipeline import Stage
 from engine.config import EngineConfig
@@ -24,8 +22,8 @@ from engine.params import SamplingParams
 from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step import ModelRunnerOutput
-from tests.conftest import TINY, children_of, engine_core_children
-from tests.test_tensor_parallel import PROMPTS, assert_same
+from tests.conftest import children_of, engine_core_children
+from tests.test_tensor_parallel import PROMPTS, assert_same, make_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, prompt_logprobs=2)
 # Pages of 16 tokens, too few for every sequence at once (preemptions); chunks of at most 48 tokens.
@@ -42,19 +40,7 @@ ENGINE = dict(
 @pytest.fixture(scope="module")
 def five_layers(tmp_path_factory, smollm2_dir) -> str:
     """A tiny Llama of 5 layers with tied embeddings (the last stage holds the embedding as its LM head)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("five_layers")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**dict(TINY, num_hidden_layers=5), tie_word_embeddings=True))
-    for name, p in model.named_parameters():
-        if "norm" in name:
-            p.data.normal_(1.0, 0.1)
-    model.save_pretrained(path)
-    for f in Path(smollm2_dir).iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, path / f.name)
-    return str(path)
+    return make_model(tmp_path_factory.mktemp("five_layers"), "five_layers", smollm2_dir)
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +64,10 @@ def run(model: str, **engine_args) -> tuple[list, dict]:
     "parallel, enforce_eager",
     [
         (dict(pipeline_parallel_size=2), False),
+        (dict(pipeline_parallel_size=3, pipeline_layer_partition="1,3,1"), True),
         (dict(pipeline_parallel_size=2, tensor_parallel_size=2, async_scheduling=True), True),
     ],
-    ids=["2-stages-compiled", "2-stages-of-2-ranks-overlapped"],
+    ids=["2-stages-compiled", "3-uneven-stages", "2-stages-of-2-ranks-overlapped"],
 )
 def test_stages_match_one_process(five_layers, one_process, parallel, enforce_eager):
     outs, stats = run(five_layers, enforce_eager=enforce_eager, **parallel)
@@ -163,9 +150,18 @@ def test_too_many_stages_fail_the_engine_with_the_reason(five_layers):
 
 
 @pytest.mark.slow
-def test_smollm2_in_three_uneven_stages_is_token_exact_with_transformers(smollm2_dir, smollm2_hf):
-    """Overlapped scheduling, chunks of 32 tokens, a cache of 2 pages of 64 tokens for 6 chats
-    (preemptions), then two chats in one prompt, twice (prefix-cache hits)."""
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        dict(pipeline_parallel_size=3, pipeline_layer_partition="8,12,10", async_scheduling=True),
+        dict(pipeline_parallel_size=2, tensor_parallel_size=3),  # its 9 heads do not split in 2
+    ],
+    ids=["3-uneven-stages-overlapped", "2-stages-of-3-ranks"],
+)
+def test_smollm2_in_stages_is_token_exact_with_transformers(smollm2_dir, smollm2_hf, parallel):
+    """Chunks of 32 tokens, a cache of 2 pages of 64 tokens for 6 chats (preemptions), then two chats in
+    one prompt, twice (prefix-cache hits). Three ranks a stage split 9 query heads, 3 KV heads and a
+    vocabulary of 49,152 rows in 3."""
     from transformers import AutoTokenizer
 
     from server.bench.driver import hf_greedy
@@ -176,7 +172,6 @@ def test_smollm2_in_three_uneven_stages_is_token_exact_with_transformers(smollm2
     longer = prompts[0] + prompts[1]  # past a 64-token page
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     engine = dict(enforce_eager=True, max_model_len=128, num_kv_blocks=3, max_num_batched_tokens=32)
-    parallel = dict(pipeline_parallel_size=3, pipeline_layer_partition="8,12,10", async_scheduling=True)
     with LLM(dtype="float32", **engine, **parallel) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
         for _ in range(2):  # one after the other: the second finds the first's full blocks

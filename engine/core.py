@@ -194,7 +194,7 @@ class EngineCoreProc:
         servers (engine/api_clients.py), which binds its input there."""
         self.ctx = zmq.Context(io_threads=1)
         self.input = self.ctx.socket(zmq.PULL)
-        self.output = self.ctx.socket(zmq.ROUTER if listen else zmq.PUSH)
+        self.output = None if clients else self.ctx.socket(zmq.ROUTER if listen else zmq.PUSH)
         self.listen, self.key_file, self.auth, self.refused = listen, key_file, None, []
         self.session: bytes | None = None
         self.clients = ApiClients(self.ctx, *clients) if clients else None

@@ -27,8 +27,9 @@ logger = logging.getLogger("kiln.worker")
 Sample = tuple[int, int, int]  # (ticks of the allowed cores, of those busy, of this process)
 
 
-def read_sample(cores: frozenset[int]) -> Sample:
-    """Clock ticks from /proc: the allowed cores' total and busy (steal counts as busy), this process's."""
+def read_sample(cores: frozenset[int], count_niced: bool = False) -> Sample:
+    """Clock ticks from /proc: the allowed cores' total and busy (steal counts as busy; niced work only
+    with `count_niced`), this process's."""
     total = busy = 0
     with open("/proc/stat") as f:
         for line in f:
@@ -36,7 +37,7 @@ def read_sample(cores: frozenset[int]) -> Sample:
             if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
                 ticks = [int(t) for t in fields[:8]]  # user nice system idle iowait irq softirq steal
                 total += sum(ticks)
-                busy += sum(ticks) - ticks[3] - ticks[4]
+                busy += sum(ticks) - ticks[3] - ticks[4] - (0 if count_niced else ticks[1])
     with open("/proc/self/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return total, busy, int(fields[11]) + int(fields[12])  # utime, stime
@@ -53,9 +54,12 @@ class CpuThreads:
     """Keeps torch's thread count at the cores other processes leave free, read every SAMPLE_S over the
     windows in which this process stepped."""
 
-    def __init__(self, reader: Callable[[frozenset[int]], Sample] = read_sample) -> None:
+    def __init__(self, reader: Callable[[frozenset[int]], Sample] | None = None) -> None:
         self.cores = frozenset(os.sched_getaffinity(0))
-        self.reader, self.threads = reader, len(self.cores)
+        # Niced itself, this process competes with niced work as an equal.
+        niced = os.getpriority(os.PRIO_PROCESS, 0) > 0
+        self.reader = reader or (lambda cores: read_sample(cores, niced))
+        self.threads = len(self.cores)
         torch.set_num_threads(self.threads)
         self.restart()
 

@@ -301,6 +301,7 @@ class SchedulerConfig:
     # Pipeline stages: as many steps in flight, each request in one at a time, a share of the running in each.
     pipeline_parallel_size: int = 1
     scheduling_policy: str = "fcfs"  # or "priority": by each request's priority, then arrival
+    step_stretch: float = 0.0  # CPU serving: the decoding budget follows measured step times (StepBudget)
 
     @classmethod
     def of(cls, c: EngineConfig, max_model_len: int, num_blocks: int, settling: int) -> SchedulerConfig:
@@ -316,6 +317,7 @@ class SchedulerConfig:
             "async_scheduling",
             "pipeline_parallel_size",
             "scheduling_policy",
+            "step_stretch",
         )
         return cls(
             max_model_len=max_model_len,

@@ -48,7 +48,6 @@ from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.stat_logger import StatLogger
 from engine.step import SchedulerOutput
-from engine.step_budget import StepBudget
 from engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("kiln.core")
@@ -82,8 +81,6 @@ class EngineCore:
             structured=self.structured,
             proposer=make_proposer(c.speculative_config),
         )
-        budget = (c.step_stretch, c.max_num_batched_tokens_decoding, c.max_num_batched_tokens)
-        self.step_budget = StepBudget(*budget) if c.step_stretch else None
         self.scheduled_time: dict[str, float] = {}
         # Steps sent and not yet answered, oldest first: up to one per pipeline stage, and one more for
         # overlapped scheduling (the next step sent before the last one's tokens are taken).
@@ -105,7 +102,7 @@ class EngineCore:
             self.structured.grammars(so, req.eos_token_id, len(samples)) if so else [None] * len(samples)
         )
         rejected = []
-        for sample, grammar in zip(samples, grammars):
+        for i, (sample, grammar) in enumerate(zip(samples, grammars)):
             request = Request(
                 sample.request_id,
                 req.prompt_token_ids,
@@ -114,6 +111,8 @@ class EngineCore:
                 req.arrival_time,
                 req.cache_salt,
                 grammar,
+                req.request_id,
+                i,
             )
             try:
                 self.scheduler.add_request(request)
@@ -154,19 +153,14 @@ class EngineCore:
         else:
             start = time.perf_counter()
             runner_output = self.executor.execute_model(so)
-            if self.step_budget is not None:
-                self._measure_step(so, time.perf_counter() - start)
+            if (budget := self.scheduler.step_budget) is not None:
+                budget.observe_step(so, self.scheduler.requests, time.perf_counter() - start)
         outputs = failed + self.scheduler.update_from_output(so, runner_output)
         for out in outputs:
             out.scheduled_time = self.scheduled_time.pop(out.request_id, None)  # only on the first output
         self.stat_logger.record(so.num_prompt_tokens, sum(len(out.new_token_ids) for out in outputs))
         self.stat_logger.maybe_log(self.stats)
         return outputs
-
-    def _measure_step(self, so: SchedulerOutput, seconds: float) -> None:
-        s, prompt = self.scheduler, so.num_prompt_tokens
-        self.step_budget.observe(so.total_num_scheduled_tokens - prompt, prompt, seconds)
-        s.config.max_num_batched_tokens_decoding = self.step_budget.tokens(len(s.running), s.num_waiting)
 
     def stats(self) -> dict:
         return dataclasses.asdict(self.scheduler.stats())

@@ -48,8 +48,13 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         grammar: Grammar | None = None,
+        parent_id: str | None = None,
+        sample_index: int = 0,
     ) -> None:
         self.request_id = request_id
+        # The client's request this is sample `sample_index` of (n > 1 makes several of one request).
+        self.parent_id = request_id if parent_id is None else parent_id
+        self.sample_index = sample_index
         self.prompt_token_ids = prompt_token_ids  # shared by a request's samples: never changed
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id

@@ -17,6 +17,13 @@ Preemption is by recompute: the last running request in the policy's order (fcfs
 admitted; priority: the lowest priority) gives up its blocks, keeps its tokens (prompt and outputs) and
 goes back to the waiting queue, at its front (fcfs) or at its own priority and arrival.
 
+Fairness among requests: a request's samples (n > 1) wait in sample order, sample i behind every other
+request's sample i - 1 (engine/request_queue.py), and the last quarter of the seats is kept for first
+samples. A running prompt's chunk leaves room for the decodes after it and, while requests wait for a
+first token, up to half the step to them. Where several requests' streams share a measured step, a
+request's further samples are priced by their decodes' cost (engine/step_budget.py), so that many samples
+over a long prompt cannot stretch everyone's steps.
+
 Speculative decoding: a decoding request also computes the tokens its proposer drafts (engine/proposer.py),
 within the budget; once verified, ``num_computed_tokens`` steps back over the rejected ones, whose slots
 the next step computes again. No block hash covers a draft: only known tokens are hashed.
@@ -27,30 +34,20 @@ from __future__ import annotations
 import random
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.messages import EngineCoreOutput
-from engine.proposer import Proposer, SpecDecodingStats
+from engine.proposer import Proposer
 from engine.request import Request, RequestStatus
 from engine.request_queue import RequestQueue
+from engine.stat_logger import SchedulerStats
 from engine.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from engine.step_budget import StepBudget, step_tokens
 
 if TYPE_CHECKING:
     from engine.structured_output import StructuredOutputManager
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int  # tokens looked up (cumulative)
-    prefix_cache_hits: int  # tokens found (cumulative)
-    num_preemptions: int  # cumulative
-    spec_decoding: SpecDecodingStats | None = None  # with speculative decoding
 
 
 class Scheduler:
@@ -74,6 +71,7 @@ class Scheduler:
         self.running: list[Request] = []  # in the policy's order: the last one is preempted first
         self.finished_req_ids: set[str] = set()  # since the last schedule()
         self.num_preemptions = 0
+        self.step_budget = StepBudget.of(config)  # CPU serving: the decoding budget follows step times
         # A request also stops ("length") once its KV would outgrow the whole pool (its last token
         # needs no KV, hence +1). Without this cap a lone request that outgrew the pool would
         # preempt itself forever; with it, the first running request can always get its blocks.
@@ -117,19 +115,21 @@ class Scheduler:
             request_ids = (request_ids,)
         assert status.finished, status
         done: list[Request] = []
-        num_waiting = 0
+        queued: list[Request] = []
         for rid in request_ids:
             # Unknown or finished already: idempotent.
             if (req := self.requests.get(rid)) is None or req.status.finished:
                 continue
-            num_waiting += req.status != RequestStatus.RUNNING
+            if req.status != RequestStatus.RUNNING:
+                queued.append(req)
             req.status = status
             done.append(req)
-        self._release(done, num_waiting)
+        self._release(done, queued)
         return done
 
-    def _release(self, done: list[Request], num_waiting: int) -> None:
-        """Forget finished requests and free their blocks (full ones stay in the prefix cache)."""
+    def _release(self, done: list[Request], queued: list[Request]) -> None:
+        """Forget finished requests (`queued`: those of them still in the waiting queue) and free their
+        blocks (full ones stay in the prefix cache)."""
         if not done:
             return
         for req in done:
@@ -140,9 +140,9 @@ class Scheduler:
             if req.grammar is not None and self.structured is not None:
                 self.structured.release(req.grammar)
             self.finished_req_ids.add(req.request_id)
-        if len(done) > num_waiting:
+        if len(done) > len(queued):
             self.running = [r for r in self.running if not r.status.finished]
-        self.waiting.note_finished(num_waiting)
+        self.waiting.note_finished(queued)
 
     @property
     def num_waiting(self) -> int:
@@ -172,31 +172,35 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        cfg, kv = self.config, self.kv_cache_manager
-        budget = cfg.max_num_batched_tokens
-        if cfg.max_num_batched_tokens_decoding and any(
-            r.num_computed_tokens >= r.num_prompt_tokens and r.num_output_tokens >= cfg.settling_tokens
-            for r in self.running
-        ):
-            budget = min(budget, max(cfg.max_num_batched_tokens_decoding, len(self.running)))
+        cfg, kv, running = self.config, self.kv_cache_manager, self.running
+        # Each client request's first running sample leads; its other samples are bulk work, priced by
+        # their decode's cost where other requests' streams share the step (engine/step_budget.py).
+        leads = {r.parent_id: r for r in reversed(running)}
+        budget, price = step_tokens(self.config, running, leads, self.waiting.num_first, self.step_budget)
         # long_prefill_token_threshold caps a prefill's chunk (with chunked prefill only; 0: no cap).
         cap = (cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0) or sys.maxsize
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
         preempted = False
+        # While requests wait for a first token, a running prompt's chunk leaves them up to half the step: a
+        # short prompt is not held behind a long one already started.
+        held = min(budget // 2, self.waiting.first_tokens) if self._admitting() else 0
 
-        running = self.running
         seats = -(-len(running) // cfg.pipeline_parallel_size)  # the steps in flight share the sampling
+        # A chunk leaves room for the leads' decodes still to come.
+        rows = sum(r.num_known_tokens - r.num_computed_tokens == 1 for r in leads.values())
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             left = req.num_known_tokens - req.num_computed_tokens
-            n = min(left, budget, cap)
-            if n <= 0 or self._awaits_output(req) or (n == left and not seats):
-                i += 1  # nothing to compute until its sampled token arrives, or no seat for its sample
+            rows -= left == 1 and leads[req.parent_id] is req
+            n = min(left, budget - held - rows if left > 1 else budget, cap)
+            cost = n if price is None or left > 1 or leads[req.parent_id] is req else price(req.num_tokens)
+            if n <= 0 or cost > budget or self._awaits_output(req) or (n == left and not seats):
+                i += 1  # no room, its sampled token still to come, or no seat for its sample
                 continue
             seats -= n == left
-            drafts = self._drafts(req, budget - 1) if left == 1 else []  # decoding: its next token drafted
+            drafts = self._drafts(req, budget - cost) if left == 1 else []  # decoding: its next token drafted
             n += len(drafts)
             while (new_blocks := kv.allocate_slots(req, n)) is None:
                 victim = running.pop()  # last in the policy's order; never one already scheduled (index < i)
@@ -215,13 +219,15 @@ class Scheduler:
             if drafts:
                 out.spec_tokens[req.request_id] = drafts
             self._advance(req, n, out)
-            budget -= n
+            budget -= cost + len(drafts)
             i += 1
 
         # Admitting after a preemption would only take blocks the preempted requests need back.
         waiting, skipped = self.waiting, []
-        while not preempted and waiting and budget > 0 and len(running) < cfg.max_num_seqs:
+        while not preempted and budget > 0 and self._admitting():
             req = waiting.peek()
+            if req.sample_index and len(running) >= cfg.max_num_seqs - cfg.max_num_seqs // 4:
+                break  # the last quarter of the seats is kept for requests' first samples
             if req.grammar is not None and not req.grammar.ready:  # compiling: the others go first
                 skipped.append(waiting.pop())
                 continue
@@ -244,18 +250,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
-            out.new_reqs.append(
-                NewRequestData(
-                    req.request_id,
-                    list(req.all_token_ids),  # a copy: the runner may append to its own
-                    req.num_prompt_tokens,
-                    req.sampling_params,
-                    kv.get_block_ids(req.request_id),
-                    num_hit,
-                    req.seed,
-                    req.eos_token_id,
-                )
-            )
+            out.new_reqs.append(NewRequestData.of(req, kv.get_block_ids(req.request_id), num_hit))
             req.num_computed_tokens, req.num_sent_tokens = num_hit, req.num_tokens
             self._advance(req, n, out)
             budget -= n
@@ -264,6 +259,9 @@ class Scheduler:
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         self._grammar_bitmasks(out)
         return out
+
+    def _admitting(self) -> bool:
+        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs
 
     def _advance(self, req: Request, n: int, out: SchedulerOutput) -> None:
         """Schedule ``n`` more tokens of ``req`` (async_scheduling: a sampling step leaves a placeholder,
@@ -307,7 +305,7 @@ class Scheduler:
     def _fail(self, req: Request, why: str) -> None:
         """Finish a waiting request (already out of the queue) that cannot run; reported by take_failed()."""
         req.status, req.stop_reason = RequestStatus.FINISHED_ABORTED, why
-        self._release([req], num_waiting=0)
+        self._release([req], queued=[])
         self.failed.append(EngineCoreOutput(req.request_id, [], finish_reason="abort", stop_reason=why))
 
     def take_failed(self) -> list[EngineCoreOutput]:
@@ -330,7 +328,7 @@ class Scheduler:
         that got tokens or finished. (``num_computed_tokens`` already advanced in schedule().)"""
         outputs: list[EngineCoreOutput] = []
         finished: list[Request] = []
-        num_waiting = 0  # of the finished: preempted while their step ran (overlapped scheduling only)
+        queued: list[Request] = []  # of the finished: preempted while their step ran (overlapped scheduling)
         all_logprobs = runner_output.logprobs
         for req in filter(None, map(self.requests.get, scheduler_output.num_scheduled_tokens)):
             req.num_steps_in_flight = max(req.num_steps_in_flight - 1, 0)  # 0: an id used again meanwhile
@@ -368,7 +366,8 @@ class Scheduler:
             if status is not None and req.num_draft_tokens:
                 spec = (req.num_draft_tokens, req.num_accepted_tokens)
             if status is not None:
-                num_waiting += req.status == RequestStatus.PREEMPTED
+                if req.status == RequestStatus.PREEMPTED:
+                    queued.append(req)
                 req.status = status
                 finished.append(req)
             outputs.append(
@@ -385,12 +384,13 @@ class Scheduler:
             )
         for rid, embedding in runner_output.pooled.items():  # a pooling request ends with its prompt
             if (req := self.requests.get(rid)) is not None:
-                num_waiting += req.status == RequestStatus.PREEMPTED
+                if req.status == RequestStatus.PREEMPTED:
+                    queued.append(req)
                 req.status = RequestStatus.FINISHED_STOPPED
                 finished.append(req)
                 cached = self._cached(req, True)
                 outputs.append(EngineCoreOutput(rid, [], "stop", num_cached_tokens=cached, pooled=embedding))
-        self._release(finished, num_waiting)
+        self._release(finished, queued)
         return outputs
 
     @staticmethod

@@ -6,10 +6,26 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.proposer import SpecDecodingStats
 
 logger = logging.getLogger("kiln.core")
 
 STATS_INTERVAL_S = 5.0
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int  # tokens looked up (cumulative)
+    prefix_cache_hits: int  # tokens found (cumulative)
+    num_preemptions: int  # cumulative
+    spec_decoding: SpecDecodingStats | None = None  # with speculative decoding
 
 
 class StatLogger:

@@ -8,10 +8,14 @@ preemption), new block ids for the ones it has, and the ids it must forget.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.request import Request
 
 # (sampled token logprob, [(token id, logprob) for the top-N])
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
@@ -30,6 +34,13 @@ class NewRequestData:
     # Resolved sampling seed (a random one when the user gave none).
     seed: int
     eos_token_id: int | None = None  # banned with the stop token ids until min_tokens are out
+
+    @classmethod
+    def of(cls, req: Request, block_ids: list[int], num_computed_tokens: int) -> NewRequestData:
+        """`req` as it joins the runner; its tokens copied, since the runner may append to its own."""
+        tokens, num_prompt = list(req.all_token_ids), req.num_prompt_tokens
+        state = (block_ids, num_computed_tokens, req.seed, req.eos_token_id)
+        return cls(req.request_id, tokens, num_prompt, req.sampling_params, *state)
 
 
 @dataclass

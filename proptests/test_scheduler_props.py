@@ -218,7 +218,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         priority=st.integers(-1, 2),
         arrival=st.integers(0, 3),
     )
-    def add(self, prompt, max_tokens, min_tokens, stop, ignore_eos, priority, arrival) -> None:
+    def add(self, prompt, max_tokens, min_tokens, stop, ignore_eos, priority, arrival, parent=None, index=0):
         if max_tokens is not None:
             min_tokens = min(min_tokens, max_tokens)
         params = SamplingParams(
@@ -230,7 +230,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
         rid = f"r{self.next_id}"
         self.next_id += 1
-        req = Request(rid, prompt, params, arrival_time=float(arrival))  # front ends' clocks disagree
+        # Front ends' clocks disagree: arrival times need not grow.
+        req = Request(rid, prompt, params, arrival_time=float(arrival), parent_id=parent, sample_index=index)
         cfg, n = self.cfg, len(prompt)
         fits = n < cfg.max_model_len and n <= (cfg.num_blocks - 1) * cfg.block_size
         fits &= cfg.enable_chunked_prefill or n <= cfg.max_num_batched_tokens
@@ -251,9 +252,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         arrival=st.integers(0, 3),
     )
     def burst(self, prompt, copies, max_tokens, priority, arrival) -> None:
-        """Several requests sharing a prompt: prefix hits and memory pressure."""
-        for _ in range(copies):
-            self.add(prompt, max_tokens, 0, False, True, priority, arrival)
+        """One request's samples (n = copies) sharing its prompt: prefix hits and memory pressure."""
+        parent = f"p{self.next_id}"
+        for i in range(copies):
+            self.add(prompt, max_tokens, 0, False, True, priority, arrival, parent, i)
 
     @rule()
     def one_step(self) -> None:
@@ -285,14 +287,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         under priority the lowest priority, then the latest arrival, then the latest admitted."""
         admitted = self.admitted[req.request_id]
         if self.cfg.scheduling_policy == "priority":
-            return req.priority, req.arrival_time, admitted
-        return (admitted,)
+            return req.priority, req.sample_index, req.arrival_time, admitted
+        return req.sample_index, admitted
 
     def queue_rank(self, req: Request) -> tuple:
-        """The waiting queue's order: by priority and arrival under priority; then, among equals,
-        preempted requests ahead of those never admitted, which keep the order they were added in."""
+        """The waiting queue's order: by priority, sample index and arrival under priority, by sample index
+        under fcfs; then, among equals, preempted requests ahead of those never admitted, which keep the
+        order they were added in."""
         fresh = req.status == RequestStatus.WAITING
-        by_policy = (req.priority, req.arrival_time) if self.cfg.scheduling_policy == "priority" else ()
+        if self.cfg.scheduling_policy == "priority":
+            by_policy = (req.priority, req.sample_index, req.arrival_time)
+        else:
+            by_policy = (req.sample_index,)
         return (*by_policy, fresh, int(req.request_id[1:]) if fresh else 0)
 
     # ---- invariants ----------------------------------------------------------------------------
@@ -305,6 +311,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         pool = kv.block_pool
         running, waiting = sched.running, [r for r in sched.waiting if not r.status.finished]
         assert len(waiting) == sched.num_waiting
+        first = [r for r in waiting if r.sample_index == 0]
+        # Their tokens as queued: a sample preempted with a step in flight gains its token while it waits.
+        assert sched.waiting.num_first == len(first)
+        assert sum(r.num_prompt_tokens for r in first) <= sched.waiting.first_tokens
+        assert sched.waiting.first_tokens <= sum(r.num_tokens for r in first)
         ranks = [self.queue_rank(r) for r in waiting]
         assert ranks == sorted(ranks)
         assert len(running) <= self.cfg.max_num_seqs

@@ -164,15 +164,16 @@ class Serving:
         self.created = int(time.time())
         self.warned_fields: set[str] = set()
 
-    async def read(self, request: Request, cls: type) -> Any:
-        """The body decoded as `cls`, whose `model`, if given, must be the one this server serves."""
+    async def read(self, request: Request, cls: type, limit: int | None = None) -> Any:
+        """The body decoded as `cls`, whose `model`, if given, must be the one this server serves; a route
+        may set a `limit` below the server's on its body's bytes."""
         if self.draining:
             raise APIError(503, SHUTTING_DOWN)
-        limit = self.max_body_bytes
+        limit = self.max_body_bytes if limit is None else min(limit, self.max_body_bytes)
         length = request.headers.get("content-length")
         too_large = length is not None and length.isdigit() and int(length) > limit
         if too_large and int(length) > 4 * limit:  # type: ignore[arg-type]
-            raise self._too_large()
+            raise self._too_large(limit)
         chunks, size = [], 0
         try:
             async with asyncio.timeout(BODY_TIMEOUT_S):  # a client trickling its body holds no slot for long
@@ -190,7 +191,7 @@ class Serving:
                 408, f"the request body did not arrive within {BODY_TIMEOUT_S} s", code="request_timeout"
             ) from None
         if too_large:
-            raise self._too_large()
+            raise self._too_large(limit)
         _body_bytes.set(size)
         try:
             raw = b"".join(chunks)
@@ -218,10 +219,8 @@ class Serving:
             self.warned_fields |= new
             logger.warning("request fields ignored (not supported): %s", ", ".join(sorted(map(short, new))))
 
-    def _too_large(self) -> APIError:
-        return APIError(
-            413, f"request body exceeds the limit of {self.max_body_bytes} bytes", code="request_too_large"
-        )
+    def _too_large(self, limit: int) -> APIError:
+        return APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
 
     async def offload(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` on the lane for this request's body size (429 when that lane's queue is full): streams

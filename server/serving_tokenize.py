@@ -2,7 +2,8 @@
 bound what waits for it), and a large reply built off the event loop (server/replies.py).
 
 A /detokenize request holds at most the model's context in tokens: the tokenizer's decode holds the GIL
-throughout, so a body of millions of ids would stop the event loop however it is scheduled.
+throughout, so a body of millions of ids would stop the event loop however it is scheduled; and its body
+is refused (413) past BYTES_PER_ID bytes an id, before the loop spends time parsing it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from server import replies
 from server.errors import APIError
 from server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from server.serving import Serving
+
+BYTES_PER_ID = 32  # a token id in JSON, with room to spare for its separator and whitespace
 
 
 class TokenizeServing:
@@ -49,8 +52,8 @@ class TokenizeServing:
 
     async def detokenize(self, request: Request) -> Response:
         s = self.s
-        b: DetokenizeRequest = await s.read(request, DetokenizeRequest)
         limit = s.llm.max_model_len
+        b: DetokenizeRequest = await s.read(request, DetokenizeRequest, BYTES_PER_ID * limit + 4096)
         if len(b.tokens) > limit:
             raise APIError(
                 400, f"tokens holds {len(b.tokens)} ids; at most {limit} (the model's context) are", "tokens"

@@ -102,6 +102,24 @@ def test_a_busy_process_takes_a_thread_away_and_gives_it_back():
     torch.set_num_threads(before)
 
 
+def test_a_niced_process_takes_no_thread():
+    """Work at a lower priority yields its core to the step's threads, so it leaves the count alone."""
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2:
+        pytest.skip("needs two cores: one thread is the floor")
+    before = torch.get_num_threads()
+    threads = CpuThreads()
+    busy = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: pass"])
+    try:
+        for _ in range(3):
+            _step_for(cpu_threads.SAMPLE_S)
+            assert threads.update() == cores
+    finally:
+        busy.kill()
+        busy.wait()
+        torch.set_num_threads(before)
+
+
 def test_read_sample_counts_this_process():
     cores = frozenset(os.sched_getaffinity(0))
     total0, busy0, own0 = read_sample(cores)

@@ -602,3 +602,75 @@ def test_the_priority_queue_puts_back_what_it_popped_in_the_same_order():
     fcfs.prepend(reqs[3])
     fcfs.prepend(reqs[4])
     assert [r.request_id for r in fcfs] == ["r4", "r3", "r2", "r1", "r0"]
+
+
+def samples(s: Scheduler, parent: str, prompt: list[int], n: int, **params) -> list[Request]:
+    """A request's n samples, as the engine core queues them."""
+    params.setdefault("max_tokens", 100)
+    reqs = [
+        Request(f"{parent}#{i}", prompt, SamplingParams(**params), parent_id=parent, sample_index=i)
+        for i in range(n)
+    ]
+    for r in reqs:
+        s.add_request(r)
+    return reqs
+
+
+def test_a_requests_samples_wait_behind_other_requests_first_samples_and_leave_them_seats():
+    """Sample i waits behind every other request's sample i - 1, and samples past the first take no
+    seat of the last quarter: a later request still gets in beside a request with many samples."""
+    s = make(max_num_seqs=8)
+    samples(s, "a", [next(_fresh) for _ in range(4)], 10)
+    add(s, "b", 4)
+    assert [r.request_id for r in s.waiting][:3] == ["a#0", "b", "a#1"] and s.waiting.num_first == 2
+    out, _ = step(s)
+    assert [r.req_id for r in out.new_reqs] == ["a#0", "b", "a#1", "a#2", "a#3", "a#4"]
+    assert s.waiting.num_first == 0
+    add(s, "c", 4)
+    add(s, "d", 4)
+    out, _ = step(s)
+    assert [r.req_id for r in out.new_reqs] == ["c", "d"]  # the kept seats
+    s.finish_requests(["a#9"], RequestStatus.FINISHED_ABORTED)
+    assert len(s.waiting) == 4 and s.waiting.num_first == 0
+
+
+def test_a_running_prompts_chunk_leaves_room_for_a_waiting_prompt_and_the_decodes_after_it():
+    s = make(max_num_batched_tokens=64)
+    add(s, "long", 200, ignore_eos=True)
+    add(s, "short", 4, ignore_eos=True)
+    assert step(s)[0].num_scheduled_tokens == {"long": 64}
+    assert step(s)[0].num_scheduled_tokens == {"long": 60, "short": 4}
+    assert step(s)[0].num_scheduled_tokens == {"long": 63, "short": 1}
+
+
+def test_further_samples_are_priced_by_their_context_beside_other_requests_streams():
+    """Measured: a step is 10 ms + 1 ms a row + 10 µs a context token + 1 ms a chunk token. Beside another
+    request's stream, the further samples over a long prompt take only the room the leads' step leaves
+    (each at the price of its context); alone, every sample decodes in every step; all finish."""
+    s = make(
+        max_model_len=4096,
+        num_blocks=1200,
+        max_num_batched_tokens=4096,
+        max_num_batched_tokens_decoding=16,
+        step_stretch=4.0,
+        max_num_seqs=16,
+    )
+    for rows, context, chunk in [(r, r * c, t) for r in (1, 4, 8) for c in (10, 1000, 3000) for t in (0, 64)]:
+        s.step_budget.observe(rows, context, chunk, 0.010 + 0.001 * rows + 1e-5 * context + 0.001 * chunk)
+    a = samples(s, "a", [next(_fresh) for _ in range(2000)], 8, max_tokens=12, ignore_eos=True)
+    while any(r.num_output_tokens == 0 for r in s.running) or s.waiting:
+        step(s)
+    out, _ = step(s)
+    assert len(out.num_scheduled_tokens) == 8  # one request alone: all its samples
+    b = add(s, "b", 8, max_tokens=40, ignore_eos=True)
+    step(s)
+    out, _ = step(s)
+    a0 = a[0]
+    budget = s.step_budget.tokens(2, a0.num_tokens - 1 + b.num_tokens - 1)
+    expected = (budget - 2) // s.step_budget.price(a0.num_tokens - 1)
+    further = [rid for rid in out.num_scheduled_tokens if rid not in ("a#0", "b")]
+    assert {"a#0", "b"} <= set(out.num_scheduled_tokens) and 0 < len(further) == expected < 7
+    while s.has_unfinished_requests():
+        step(s)
+    assert [r.num_output_tokens for r in a] == [12] * 8 and b.num_output_tokens == 40
+    assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 1200 - 1

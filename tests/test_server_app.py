@@ -350,6 +350,21 @@ METRIC_NAMES = (
 )
 
 
+def test_a_detokenize_body_too_large_for_the_context_is_refused_unparsed(client, monkeypatch):
+    """64 ids of context: 32 bytes an id and 4 KiB pass (padded with spaces), more is 413 without a parse."""
+    fits = ("[" + ", ".join(["104"] * 64) + "]").ljust(32 * 64 + 4000)
+    r = client.post(
+        "/detokenize", content=f'{{"tokens": {fits}}}', headers={"Content-Type": "application/json"}
+    )
+    assert r.status_code == 200 and r.json()["prompt"] == "h" * 64
+    parsed = []
+    real = serving._decoder
+    monkeypatch.setattr(serving, "_decoder", lambda cls: parsed.append(cls) or real(cls))
+    r = client.post("/detokenize", json={"tokens": [104] * 100_000})
+    assert_error(r, 413)
+    assert "6144 bytes" in r.json()["error"]["message"] and not parsed
+
+
 def test_tokenize_detokenize_models_version_metrics(client):
     assert client.post("/tokenize", json={"prompt": "hi"}).json() == {
         "count": 2,

@@ -6,24 +6,30 @@ from hypothesis import strategies as st
 from engine.step_budget import StepBudget
 
 
-def steps(per_token: float, with_decode_only: bool) -> list[tuple[int, int, float]]:
-    """Steps of a machine whose step takes 10 ms + 2 ms a row + `per_token` a chunk token."""
+def steps(per_token: float, with_decode_only: bool) -> list[tuple[int, int, int, float]]:
+    """Steps of a machine whose step takes 10 ms + 2 ms a row + 1 µs a token of the rows' context +
+    `per_token` a chunk token; the rows' context varies apart from their number."""
     shapes = [(rows, tokens) for rows in (0, 4, 9, 16, 25, 40, 64) for tokens in (0, 48, 150, 300)]
     shapes = [(r, t) for r, t in shapes if (r or t) and (t or with_decode_only)]
-    return [(r, t, 0.010 + 0.002 * r + per_token * t) for r, t in shapes]
+    return [
+        (r, r * (100 + 50 * k), t, 0.010 + 0.002 * r + 1e-6 * r * (100 + 50 * k) + per_token * t)
+        for k, (r, t) in enumerate(shapes)
+    ]
 
 
 def test_a_chunk_may_stretch_a_step_to_the_ratio_of_a_decode_step():
     b = StepBudget(stretch=4.0, floor=64, cap=1024)
     assert b.tokens(16) == 64  # nothing measured yet
-    b.observe(16, 0, 0.042)
+    b.observe(16, 1600, 0, 0.042)
     assert b.tokens(16) == 64  # a chunk's cost not yet known
     for step in steps(0.001, with_decode_only=True):
         b.observe(*step)
-    fixed, per_row, per_token = b.costs()
+    fixed, per_row, per_context, per_token = b.costs()
     assert abs(fixed - 0.010) < 1e-3 and abs(per_row - 0.002) < 1e-4 and abs(per_token - 0.001) < 1e-5
-    # 3 x (10 + 32) ms of room at 1 ms a token, beside the 16 decodes.
+    assert abs(per_context - 1e-6) < 1e-7
+    # 3 x (10 + 32) ms of room at 1 ms a token beside the 16 decodes; 3 x 2 ms more over 2,000 tokens.
     assert abs(b.tokens(16) - (16 + 126)) <= 1
+    assert abs(b.tokens(16, context=2000) - (16 + 132)) <= 1
     assert b.tokens(2000) == 1024  # never past the step's own budget
 
 
@@ -35,8 +41,8 @@ def test_the_fit_needs_no_decode_only_step_and_follows_the_machine():
         slow.observe(*step)
     for step in steps(0.0005, with_decode_only=False):
         fast.observe(*step)
-    assert abs(slow.tokens(64) - (64 + 414)) <= 2
-    assert abs(fast.tokens(64) - (64 + 828)) <= 4
+    assert abs(slow.tokens(64) - (64 + 414)) <= 3
+    assert abs(fast.tokens(64) - (64 + 828)) <= 6
 
 
 def test_waiting_requests_widen_the_room_for_chunks():
@@ -51,6 +57,17 @@ def test_waiting_requests_widen_the_room_for_chunks():
     assert b.tokens(16, waiting=10_000) == 4096
 
 
+def test_a_further_sample_is_priced_by_the_context_its_decode_reads():
+    """At 1 ms a chunk token, a decode is 2 ms plus 1 µs a context token: 3 tokens over 1,000, 102 over
+    100,000; one token at least, and one before anything was measured."""
+    b = StepBudget(stretch=4.0, floor=64, cap=4096)
+    assert b.price(100_000) == 1
+    for step in steps(0.001, with_decode_only=True):
+        b.observe(*step)
+    assert b.price(1000) == 3 and abs(b.price(100_000) - 102) <= 1
+    assert b.price(0) == 2
+
+
 @given(
     st.lists(
         st.tuples(st.integers(0, 256), st.integers(0, 4096), st.floats(0.0, 10.0)), min_size=1, max_size=50
@@ -61,7 +78,8 @@ def test_waiting_requests_widen_the_room_for_chunks():
 def test_the_budget_stays_between_its_floor_and_cap(steps, running, waiting):
     b = StepBudget(stretch=4.0, floor=64, cap=1024)
     for rows, chunk, seconds in steps:
-        b.observe(rows, chunk, seconds)
-        assert 64 <= b.tokens(running, waiting) <= max(1024, 64)
-        assert b.tokens(running, waiting) >= min(running, 1024)
-        assert b.tokens(running, waiting) >= b.tokens(running)
+        b.observe(rows, rows * 300, chunk, seconds)
+        assert 64 <= b.tokens(running, 300 * running, waiting) <= max(1024, 64)
+        assert b.tokens(running, 300 * running, waiting) >= min(running, 1024)
+        assert b.tokens(running, 300 * running, waiting) >= b.tokens(running, 300 * running)
+        assert b.price(300) >= 1

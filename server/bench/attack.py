@@ -26,6 +26,7 @@ from server.bench.serve import launch
 from server.bench.soak import Watch, _rss, engine_core_pid, engine_gauges
 
 TTFT_RATIO, ITL_RATIO, RSS_RETURN = 2.0, 1.5, 1.1
+PACE_S = 0.1  # an attack starts again this long after it last started, at the soonest
 # README's bounds for the default model on a 24 GiB host: the core's is its KV cache (25 % of RAM), which it
 # commits as blocks are first used (so it is not expected back once idle), plus the weights and about 2 GiB.
 RSS_LIMIT_MIB = {"server": 2048, "engine_core": 8192}
@@ -167,9 +168,14 @@ class Attackers:
             writer.transport.abort()
 
     async def loop(self, name: str, stop: asyncio.Event) -> None:
+        """The attack again and again, at most 1 / PACE_S a second: what it sends is the attack, not how
+        often (a flood of requests is a proxy's to limit), and on one host the attackers' own client work
+        would take the cores from the server."""
         attack = getattr(self, name)
         while not stop.is_set():
+            start = time.monotonic()
             await (attack(stop) if name in ("unread", "trickle") else attack())
+            await _stopped(stop, PACE_S - (time.monotonic() - start))
 
 
 async def _stopped(stop: asyncio.Event, seconds: float) -> bool:

@@ -1,9 +1,11 @@
 """The engine core's CPU thread count follows the cores other processes leave free."""
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -82,42 +84,41 @@ def _step_for(seconds: float) -> None:
         pass
 
 
-def test_a_busy_process_takes_a_thread_away_and_gives_it_back():
+@contextlib.contextmanager
+def _spinning(*prefix: str) -> Iterator[int]:
+    """Another process spinning on a core (run under `prefix`, e.g. nice) while the block runs; yields the
+    core count, and puts torch's thread count back after."""
     cores = len(os.sched_getaffinity(0))
     if cores < 2:
         pytest.skip("needs two cores: one thread is the floor")
     before = torch.get_num_threads()
-    threads = CpuThreads()
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    busy = subprocess.Popen([*prefix, sys.executable, "-c", "while True: pass"])
     try:
-        _step_for(cpu_threads.SAMPLE_S * 3)
-        assert threads.update() == cores - 1 == torch.get_num_threads()
-    finally:
-        busy.kill()
-        busy.wait()
-    deadline = time.monotonic() + 30  # the shared machine may be busy for a while: wait for a quiet window
-    while threads.update() < cores and time.monotonic() < deadline:
-        _step_for(cpu_threads.SAMPLE_S)
-    assert threads.threads == cores
-    torch.set_num_threads(before)
-
-
-def test_a_niced_process_takes_no_thread():
-    """Work at a lower priority yields its core to the step's threads, so it leaves the count alone."""
-    cores = len(os.sched_getaffinity(0))
-    if cores < 2:
-        pytest.skip("needs two cores: one thread is the floor")
-    before = torch.get_num_threads()
-    threads = CpuThreads()
-    busy = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: pass"])
-    try:
-        for _ in range(3):
-            _step_for(cpu_threads.SAMPLE_S)
-            assert threads.update() == cores
+        yield cores
     finally:
         busy.kill()
         busy.wait()
         torch.set_num_threads(before)
+
+
+def test_a_busy_process_takes_a_thread_away_and_gives_it_back():
+    threads = CpuThreads()
+    with _spinning() as cores:
+        _step_for(cpu_threads.SAMPLE_S * 3)
+        assert threads.update() == cores - 1 == torch.get_num_threads()
+    deadline = time.monotonic() + 30  # the shared machine may be busy for a while: wait for a quiet window
+    while threads.update() < cores and time.monotonic() < deadline:
+        _step_for(cpu_threads.SAMPLE_S)
+    assert threads.threads == cores
+
+
+def test_a_niced_process_takes_no_thread():
+    """Work at a lower priority yields its core to the step's threads, so it leaves the count alone."""
+    threads = CpuThreads()
+    with _spinning("nice", "-n", "19") as cores:
+        for _ in range(3):
+            _step_for(cpu_threads.SAMPLE_S)
+            assert threads.update() == cores
 
 
 def test_read_sample_counts_this_process():

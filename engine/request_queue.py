@@ -13,8 +13,9 @@ So fcfs is a deque for each sample index: new requests at the back, preempted on
 "priority" a preempted request goes back in at its own priority and arrival: ahead of every later arrival
 of its priority, and behind every more urgent request (a lower priority value). ``pop_into`` keeps the
 scheduler's running requests in the same key order, so that the last of them is the one to preempt.
-``num_first`` counts the live first samples (sample_index 0), the clients still waiting for a token, and
-``first_tokens`` their tokens as they were queued.
+``num_first`` counts the live first samples (sample_index 0; a preempted one too), and ``first_tokens``
+their tokens as they were queued. Under sustained overload (a first sample always waiting) a request's
+further samples wait until first samples stop arriving: the admission limits bound that queue.
 
 A queued request that finishes (an abort) is not searched for: ``note_finished`` counts it, and it is
 dropped when it reaches the front, or with every other finished one once they make up over half the

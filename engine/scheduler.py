@@ -17,12 +17,11 @@ Preemption is by recompute: the last running request in the policy's order (fcfs
 admitted; priority: the lowest priority) gives up its blocks, keeps its tokens (prompt and outputs) and
 goes back to the waiting queue, at its front (fcfs) or at its own priority and arrival.
 
-Fairness among requests: a request's samples (n > 1) wait in sample order, sample i behind every other
-request's sample i - 1 (engine/request_queue.py), and the last quarter of the seats is kept for first
-samples. A running prompt's chunk leaves room for the decodes after it and, while requests wait for a
-first token, up to half the step to them. Where several requests' streams share a measured step, a
-request's further samples are priced by their decodes' cost (engine/step_budget.py), so that many samples
-over a long prompt cannot stretch everyone's steps.
+Fairness among requests: sample i waits behind every other request's sample i - 1 (request_queue.py), the
+last quarter of the seats is kept for first samples, bulk work (a prompt's chunk, a further sample's
+decode) leaves room for the leads' decodes after it and up to half the step to waiting first samples,
+and where several requests' streams share a measured step a further sample's decode is priced by its
+context (step_budget.py): many samples over a long prompt cannot stretch everyone's steps.
 
 Speculative decoding: a decoding request also computes the tokens its proposer drafts (engine/proposer.py),
 within the budget; once verified, ``num_computed_tokens`` steps back over the rejected ones, whose slots
@@ -187,16 +186,17 @@ class Scheduler:
         held = min(budget // 2, self.waiting.first_tokens) if self._admitting() else 0
 
         seats = -(-len(running) // cfg.pipeline_parallel_size)  # the steps in flight share the sampling
-        # A chunk leaves room for the leads' decodes still to come.
+        # Bulk work (a chunk, a further sample's decode) leaves room for the leads' decodes still to come.
         rows = sum(r.num_known_tokens - r.num_computed_tokens == 1 for r in leads.values())
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            left = req.num_known_tokens - req.num_computed_tokens
-            rows -= left == 1 and leads[req.parent_id] is req
-            n = min(left, budget - held - rows if left > 1 else budget, cap)
-            cost = n if price is None or left > 1 or leads[req.parent_id] is req else price(req.num_tokens)
-            if n <= 0 or cost > budget or self._awaits_output(req) or (n == left and not seats):
+            left, lead = req.num_known_tokens - req.num_computed_tokens, leads[req.parent_id] is req
+            rows -= left == 1 and lead
+            room = budget if left == 1 and lead else budget - held - rows
+            n = min(left, room, cap)
+            cost = n if price is None or left > 1 or lead else price(req.num_tokens)
+            if n <= 0 or cost > room or self._awaits_output(req) or (n == left and not seats):
                 i += 1  # no room, its sampled token still to come, or no seat for its sample
                 continue
             seats -= n == left
@@ -226,9 +226,11 @@ class Scheduler:
         waiting, skipped = self.waiting, []
         while not preempted and budget > 0 and self._admitting():
             req = waiting.peek()
-            if req.sample_index and len(running) >= cfg.max_num_seqs - cfg.max_num_seqs // 4:
-                break  # the last quarter of the seats is kept for requests' first samples
-            if req.grammar is not None and not req.grammar.ready:  # compiling: the others go first
+            # The last quarter of the seats is kept for first samples (by priority, one may follow this).
+            kept = req.sample_index and len(running) >= cfg.max_num_seqs - cfg.max_num_seqs // 4
+            if kept and not waiting.num_first:
+                break
+            if kept or (req.grammar is not None and not req.grammar.ready):  # compiling: the others go first
                 skipped.append(waiting.pop())
                 continue
             if req.grammar is not None and req.grammar.error is not None:
@@ -248,8 +250,7 @@ class Scheduler:
                 break
             waiting.pop_into(running)
             req.status = RequestStatus.RUNNING
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit
+            req.num_cached_tokens = num_hit if req.num_cached_tokens < 0 else req.num_cached_tokens
             out.new_reqs.append(NewRequestData.of(req, kv.get_block_ids(req.request_id), num_hit))
             req.num_computed_tokens, req.num_sent_tokens = num_hit, req.num_tokens
             self._advance(req, n, out)

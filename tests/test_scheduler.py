@@ -674,3 +674,46 @@ def test_further_samples_are_priced_by_their_context_beside_other_requests_strea
         step(s)
     assert [r.num_output_tokens for r in a] == [12] * 8 and b.num_output_tokens == 40
     assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 1200 - 1
+
+
+class FixedPrices:
+    """A measured budget that always says `tokens`, and prices a further sample's decode at `price`."""
+
+    def __init__(self, tokens: int, price: int) -> None:
+        self.tokens_, self.price_ = tokens, price
+
+    def tokens(self, running: int, context: int = 0, waiting: int = 0) -> int:
+        return self.tokens_
+
+    def price(self, context: int) -> int:
+        return self.price_
+
+
+def test_a_priced_further_sample_leaves_room_for_a_lead_behind_it():
+    """A's first two samples are gone, so its lead is sample 2, behind B's sample 1 in the policy's order;
+    B#1 at 9 tokens would fit the 9 left after B#0, but not beside A#2's decode."""
+    s = make(max_num_batched_tokens_decoding=4)
+    samples(s, "b", [next(_fresh) for _ in range(4)], 2, ignore_eos=True)
+    samples(s, "a", [next(_fresh) for _ in range(4)], 3, ignore_eos=True)
+    step(s)
+    s.finish_requests(["a#0", "a#1"], RequestStatus.FINISHED_ABORTED)
+    s.step_budget = FixedPrices(10, 9)
+    assert [r.request_id for r in s.running] == ["b#0", "b#1", "a#2"]
+    for _ in range(3):
+        assert set(step(s)[0].num_scheduled_tokens) == {"b#0", "a#2"}
+    s.step_budget = FixedPrices(11, 9)  # room for both
+    assert set(step(s)[0].num_scheduled_tokens) == {"b#0", "b#1", "a#2"}
+
+
+def test_under_priority_a_first_sample_behind_a_further_one_gets_a_kept_seat():
+    s = make(max_num_seqs=4, scheduling_policy="priority")
+    add(s, "x", 4, priority=0)
+    add(s, "y", 4, priority=0)
+    add(s, "z", 4, priority=0)
+    step(s)  # three running: the last seat is kept for first samples
+    samples(s, "a", [next(_fresh) for _ in range(4)], 2, priority=0)
+    s.finish_requests(["a#0"], RequestStatus.FINISHED_ABORTED)
+    add(s, "c", 4, priority=1)  # less urgent, so behind a#1 in the queue
+    assert [r.request_id for r in s.waiting] == ["a#1", "c"]
+    out, _ = step(s)
+    assert [r.req_id for r in out.new_reqs] == ["c"] and [r.request_id for r in s.waiting] == ["a#1"]

@@ -130,8 +130,15 @@ def step_tokens(
         for r in running
     ):
         return cfg.max_num_batched_tokens, None
-    budget, price = cfg.max_num_batched_tokens_decoding, None
-    if measured is not None:
-        budget = measured.tokens(len(leads), sum(r.num_tokens for r in leads.values()), first_waiting)
-        price = measured.price if len(leads) > 1 or first_waiting else None
-    return min(cfg.max_num_batched_tokens, max(budget, len(running) if price is None else len(leads))), price
+    if measured is None:
+        return min(cfg.max_num_batched_tokens, max(cfg.max_num_batched_tokens_decoding, len(running))), None
+    budget = measured.tokens(len(leads), sum(r.num_tokens for r in leads.values()), first_waiting)
+    if len(leads) == 1 and not first_waiting:
+        return min(cfg.max_num_batched_tokens, max(budget, len(running))), None
+    budget = min(cfg.max_num_batched_tokens, max(budget, len(leads)))
+    most = max(1, budget - len(leads))  # a fit that prices chunk tokens near nothing stops no sample outright
+
+    def price(context: int) -> int:
+        return min(measured.price(context), most)
+
+    return budget, price

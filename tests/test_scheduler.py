@@ -689,20 +689,20 @@ class FixedPrices:
         return self.price_
 
 
-def test_a_priced_further_sample_leaves_room_for_a_lead_behind_it():
-    """A's first two samples are gone, so its lead is sample 2, behind B's sample 1 in the policy's order;
-    B#1 at 9 tokens would fit the 9 left after B#0, but not beside A#2's decode."""
-    s = make(max_num_batched_tokens_decoding=4)
-    samples(s, "b", [next(_fresh) for _ in range(4)], 2, ignore_eos=True)
-    samples(s, "a", [next(_fresh) for _ in range(4)], 3, ignore_eos=True)
+def test_priced_further_samples_leave_room_for_a_lead_behind_them():
+    """A's first four samples are gone, so its lead is sample 4, behind B's further samples in the policy's
+    order; at 3 tokens each, B#1..B#3 would take all 9 tokens left after B#0, none for A#4's decode."""
+    s = make(max_num_batched_tokens_decoding=4, max_num_seqs=16)
+    samples(s, "b", [next(_fresh) for _ in range(4)], 4, ignore_eos=True)
+    samples(s, "a", [next(_fresh) for _ in range(4)], 5, ignore_eos=True)
     step(s)
-    s.finish_requests(["a#0", "a#1"], RequestStatus.FINISHED_ABORTED)
-    s.step_budget = FixedPrices(10, 9)
-    assert [r.request_id for r in s.running] == ["b#0", "b#1", "a#2"]
+    s.finish_requests([f"a#{i}" for i in range(4)], RequestStatus.FINISHED_ABORTED)
+    s.step_budget = FixedPrices(10, 3)
+    assert [r.request_id for r in s.running] == ["b#0", "b#1", "b#2", "b#3", "a#4"]
     for _ in range(3):
-        assert set(step(s)[0].num_scheduled_tokens) == {"b#0", "a#2"}
-    s.step_budget = FixedPrices(11, 9)  # room for both
-    assert set(step(s)[0].num_scheduled_tokens) == {"b#0", "b#1", "a#2"}
+        assert set(step(s)[0].num_scheduled_tokens) == {"b#0", "b#1", "b#2", "a#4"}
+    s.step_budget = FixedPrices(11, 3)  # room for all
+    assert set(step(s)[0].num_scheduled_tokens) == {"b#0", "b#1", "b#2", "b#3", "a#4"}
 
 
 def test_under_priority_a_first_sample_behind_a_further_one_gets_a_kept_seat():
@@ -717,3 +717,18 @@ def test_under_priority_a_first_sample_behind_a_further_one_gets_a_kept_seat():
     assert [r.request_id for r in s.waiting] == ["a#1", "c"]
     out, _ = step(s)
     assert [r.req_id for r in out.new_reqs] == ["c"] and [r.request_id for r in s.waiting] == ["a#1"]
+
+
+def test_a_fit_that_prices_chunk_tokens_near_nothing_still_lets_a_further_sample_run():
+    """At 0.1 µs a chunk token a further sample's 1 ms decode would cost 10,000 tokens, past any budget: its
+    price is capped at what the step leaves beside the leads, so one runs each step."""
+    s = make(max_num_batched_tokens_decoding=16, step_stretch=4.0)
+    for rows, chunk in [(r, t) for r in (1, 4, 8) for t in (0, 64, 512)]:
+        s.step_budget.observe(rows, 0, chunk, 0.010 + 0.001 * rows + 1e-7 * chunk)
+    assert s.step_budget.price(0) > 64
+    samples(s, "a", [next(_fresh) for _ in range(4)], 3, ignore_eos=True)
+    add(s, "b", 4, ignore_eos=True)
+    step(s)
+    for _ in range(3):
+        scheduled = step(s)[0].num_scheduled_tokens
+        assert {"a#0", "b"} <= set(scheduled) and len(set(scheduled) & {"a#1", "a#2"}) == 1

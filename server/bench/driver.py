@@ -37,7 +37,9 @@ class RunnerDriver:
     """Sequential block allocation, prefill in chunks of at most `chunk` tokens, then decode.
 
     A request may start at a synthetic context (`computed`): its first `computed` positions count as cached
-    although nothing wrote them, which is how the benchmarks decode at a long context without a prefill.
+    although no step computed them, which is how the benchmarks decode at a long context without a prefill.
+    Their blocks are filled with random K/V first: pages never written read as the one shared zero page,
+    which stays in cache, and attention over them would run faster than over a real context.
     """
 
     def __init__(self, runner: ModelRunner, chunk: int = 1 << 30) -> None:
@@ -78,6 +80,8 @@ class RunnerDriver:
             n = min(len(r["tokens"]) - r["computed"], self.chunk)
             new_blocks = self._ensure_blocks(r, r["computed"] + n)
             if r["new"]:
+                if r["computed"]:
+                    self._fill(r["blocks"])
                 so.new_reqs.append(
                     NewRequestData(
                         rid,
@@ -95,6 +99,13 @@ class RunnerDriver:
             so.num_scheduled_tokens[rid] = n
             so.total_num_scheduled_tokens += n
         return so
+
+    def _fill(self, blocks: list[int]) -> None:
+        index = torch.tensor(blocks, device=self.runner.device)
+        for layer in self.runner.model.layers:
+            for cache in (layer.attention.k_cache, layer.attention.v_cache):
+                noise = torch.randn((len(blocks), *cache.shape[1:]), device=cache.device)
+                cache.index_copy_(0, index, noise.to(cache.dtype))
 
     def apply(self, so: SchedulerOutput, out) -> dict[str, list[int]]:
         result = {}

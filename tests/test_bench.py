@@ -400,3 +400,83 @@ def test_bench_spec_drafts_and_keeps_the_answers(tiny_chat_model, tmp_path, caps
     for row in rows.values():
         assert row["off"] > 0 and row["drafts"] > 0 and row["same_answers"] is True
     assert "accept len" in capsys.readouterr().out
+
+
+FAKE_LLAMA_CPP = """
+__version__ = "fake"
+import sys, types
+class Params: use_extra_bufts = True
+class llama_cpp: llama_model_default_params = staticmethod(lambda: Params())
+class Llama:
+    def __init__(self, path, draft_model=None, **kw): self.draft = draft_model
+    def reset(self): pass
+    def generate(self, prompt, temp, top_k):  # the prompt over and over; 7 where a drafting model stops
+        for i in range(1000):
+            yield 7 if self.draft is not None and i == 3 else prompt[i % len(prompt)]
+speculative = types.ModuleType("llama_cpp.llama_speculative")
+class LlamaPromptLookupDecoding:
+    def __init__(self, max_ngram_size, num_pred_tokens): assert (max_ngram_size, num_pred_tokens) == (5, 8)
+speculative.LlamaPromptLookupDecoding = LlamaPromptLookupDecoding
+sys.modules["llama_cpp.llama_speculative"] = speculative
+"""
+
+
+def test_llama_cpp_peer_answers_plain_and_by_prompt_lookup(tmp_path, monkeypatch):
+    from server.bench.latency import LlamaCpp
+
+    (tmp_path / "llama_cpp.py").write_text(FAKE_LLAMA_CPP)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    import sys
+
+    peer = LlamaCpp(sys.executable, "model.gguf", 1, 64, lookup=(8, 5))
+    try:
+        assert peer.version == "fake"
+        assert peer.call([1, 2, 3], 5, stop=[7])["tokens"] == [1, 2, 3, 1, 2]
+        assert peer.call([1, 2, 3], 5, stop=[7], lookup=True)["tokens"] == [1, 2, 3, 7]
+        ttft, decode = peer.request([1, 2, 3], 4)
+        assert ttft >= 0 and decode > 0
+    finally:
+        peer.close()
+
+
+def test_bench_spec_runs_a_peer_one_request_at_a_time(tiny_chat_model):
+    import asyncio
+
+    from engine.async_llm import AsyncLLM
+    from engine.params import SamplingParams
+    from server.bench import spec
+
+    calls = []
+
+    class Peer:
+        def call(self, prompt, output_len, stop, lookup):
+            calls.append((len(prompt), output_len, tuple(stop), lookup))
+            return {"tokens": prompt[:3], "seconds": 0.01 if lookup else 0.02}
+
+    args = dict(dtype="float32", enforce_eager=True, kv_cache_memory=50_000_000)
+    drafts = '{"method": "ngram", "num_speculative_tokens": 2}'
+    engines = {
+        "off": AsyncLLM(tiny_chat_model, **args),
+        "drafts": AsyncLLM(tiny_chat_model, **args, speculative_config=drafts),
+    }
+    try:
+        sets = {"grounded": [engines["off"].chat_prompt([{"role": "user", "content": "hi"}])]}
+        params = SamplingParams(temperature=0.0, max_tokens=6)
+        rows = asyncio.run(spec._bench(engines, None, sets, params, (1, 2), 1, Peer()))
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+    one, two = rows["grounded, 1 at a time"], rows["grounded, 2 at a time"]
+    assert one["llama.cpp lookup"] == pytest.approx(2 * one["llama.cpp"]) and one["llama.cpp tokens"] == 3
+    assert "llama.cpp" not in two  # a batch-1 peer: no served streams
+    stop = engines["off"].processor.eos_token_id
+    assert {c[1:] for c in calls} == {(6, (stop,), False), (6, (stop,), True)} and len(calls) == 4
+    report = spec.format_report(
+        {
+            "speculative_config": drafts,
+            "output_len": 6,
+            "rows": rows,
+            "llama.cpp": {"version": "x", "num_pred_tokens": 2, "max_ngram_size": 5},
+        }
+    )
+    assert "kiln drafts / lookup" in report

@@ -137,7 +137,16 @@ def run(args: argparse.Namespace) -> int:
 
         concurrency = tuple(int(n) for n in args.concurrency.split(","))
         flags = engine_args(args)
-        result = spec.run(args.model, flags, args.spec, args.output_len, concurrency, args.rounds)
+        result = spec.run(
+            args.model,
+            flags,
+            args.spec,
+            args.output_len,
+            concurrency,
+            args.rounds,
+            args.compare,
+            args.llama_cpp_python,
+        )
         print(spec.format_report(result))
     elif args.bench == "soak":
         from server.bench import soak
@@ -260,12 +269,6 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="also run transformers (same weights), or llama.cpp on the same GGUF file",
     )
-    latency.add_argument(
-        "--llama-cpp-python",
-        default=None,
-        help="the llama.cpp peer's Python (default: $KILN_LLAMA_CPP_PYTHON, else the venv "
-        "../shared/peers/setup-llama-cpp.sh makes)",
-    )
     serve.add_argument("--base-url", default="http://127.0.0.1:8000")
     serve.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
     serve.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
@@ -348,6 +351,19 @@ def parser() -> argparse.ArgumentParser:
     spec.add_argument("--output-len", type=int, default=256, help="longest answer, in tokens")
     spec.add_argument("--concurrency", default="1,4,16", help="streams served at once")
     spec.add_argument("--rounds", type=int, default=2, help="timed runs of each engine, taking turns")
+    spec.add_argument(
+        "--compare",
+        choices=["llama.cpp"],
+        default=None,
+        help="also run llama.cpp on the same GGUF file at 1 at a time, plain and with its prompt lookup",
+    )
+    for p in (latency, spec):
+        p.add_argument(
+            "--llama-cpp-python",
+            default=None,
+            help="the llama.cpp peer's Python (default: $KILN_LLAMA_CPP_PYTHON, else the venv "
+            "../shared/peers/setup-llama-cpp.sh makes)",
+        )
     add_engine_args(spec)
     for p in (sched, runner, startup, gpu, throughput, latency, serve, soak, attack, structured, spec):
         p.add_argument("--json", default=None, help="also write the results to this file")

@@ -104,14 +104,17 @@ def transformers_request(model, prompt: list[int], output_len: int, pad_id: int)
 
 
 class LlamaCpp:
-    """llama.cpp in its own process and venv (server/bench/llamacpp_peer.py), on the same GGUF file."""
+    """llama.cpp in its own process and venv (server/bench/llamacpp_peer.py), on the same GGUF file;
+    `lookup` (draft tokens, longest n-gram): a second model there drafts by prompt lookup."""
 
-    def __init__(self, python: str, gguf_file: str, threads: int, n_ctx: int) -> None:
+    def __init__(
+        self, python: str, gguf_file: str, threads: int, n_ctx: int, lookup: tuple[int, int] | None = None
+    ) -> None:
         import subprocess
 
         script = str(Path(__file__).with_name("llamacpp_peer.py"))
         self.proc = subprocess.Popen(
-            [python, script, gguf_file, str(threads), str(n_ctx)],
+            [python, script, gguf_file, str(threads), str(n_ctx), *map(str, lookup or ())],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -121,10 +124,14 @@ class LlamaCpp:
             raise RuntimeError(f"llama.cpp peer did not start ({python}); see ../shared/peers")
         self.version = json.loads(ready)["ready"]
 
-    def request(self, prompt: list[int], output_len: int) -> tuple[float, float]:
-        self.proc.stdin.write(json.dumps({"prompt": prompt, "output_len": output_len}) + "\n")
+    def call(self, prompt: list[int], output_len: int, **options: object) -> dict:
+        """One greedy answer (options: `stop` token ids, `lookup`), timed in the peer's process."""
+        self.proc.stdin.write(json.dumps({"prompt": prompt, "output_len": output_len, **options}) + "\n")
         self.proc.stdin.flush()
-        answer = json.loads(self.proc.stdout.readline())
+        return json.loads(self.proc.stdout.readline())
+
+    def request(self, prompt: list[int], output_len: int) -> tuple[float, float]:
+        answer = self.call(prompt, output_len)
         return answer["ttft_s"], answer["decode_tok_s"]
 
     def close(self) -> None:

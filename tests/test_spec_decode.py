@@ -226,3 +226,40 @@ def test_decode_rows_of_sequences_verifying_every_draft_are_not_padded_further()
     batch = InputBatch(4, 8, 16, torch.device("cpu"), max_drafts=8)
     assert {9, 18, 36} <= set(batch.buckets) and batch.buckets[-1] == 36
     assert batch.decode_rows(9) == 9 and batch.decode_rows(10) == 16
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_verify_steps_compile_nothing_after_the_warm_up(tiny_llama, monkeypatch, quantization):
+    """Steps verifying 0 to K drafts for 1 to 3 sequences, with and without a prompt's chunk beside them,
+    run on the warm-up's graphs (the int4 model's few-row kind too), guards checked on every call."""
+    from compiled.guard_free import GuardFreeGraph
+    from server.bench.driver import RunnerDriver, build_runner
+
+    monkeypatch.setattr(GuardFreeGraph, "check_guards", True)
+    torch._dynamo.reset()  # graphs other tests compiled count against Dynamo's recompile limit
+    args = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
+    runner = build_runner(tiny_llama, **args, quantization=quantization, speculative_config=SPEC)
+    runner.initialize_kv_cache(128)
+    runner.warmup()
+    drv, rng, k = RunnerDriver(runner), random.Random(0), SPEC["num_speculative_tokens"]
+    for i in range(3):
+        drv.add(str(i), [rng.randrange(320) for _ in range(20 + 7 * i)])
+    drv.step()
+    verified = 0
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in range(16):
+            if step == 8:  # a fresh prompt's chunk in the same step as the drafts
+                drv.add("new", [rng.randrange(320) for _ in range(30)])
+            rids = [*list(drv.reqs)[: 1 + step % 3], *(["new"] if step == 8 else [])]
+            so = drv.build(rids)
+            for data in so.cached_reqs:
+                r, n = drv.reqs[data.req_id], rng.randint(0, k)
+                data.new_block_ids += drv._ensure_blocks(r, r["computed"] + 1 + n)
+                if n:
+                    so.spec_tokens[data.req_id] = [rng.randrange(320) for _ in range(n)]
+            out = drv.apply(so, runner.execute_model(so))
+            for rid, drafts in so.spec_tokens.items():
+                assert 1 <= len(out[rid]) <= len(drafts) + 1
+                drv.reqs[rid]["computed"] += len(out[rid]) - 1  # the accepted drafts' KV stays
+                verified += 1
+    assert verified >= 10

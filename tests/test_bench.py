@@ -2,6 +2,7 @@
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -426,8 +427,6 @@ def test_llama_cpp_peer_answers_plain_and_by_prompt_lookup(tmp_path, monkeypatch
 
     (tmp_path / "llama_cpp.py").write_text(FAKE_LLAMA_CPP)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    import sys
-
     peer = LlamaCpp(sys.executable, "model.gguf", 1, 64, lookup=(8, 5))
     try:
         assert peer.version == "fake"
@@ -468,6 +467,7 @@ def test_bench_spec_runs_a_peer_one_request_at_a_time(tiny_chat_model):
             llm.shutdown()
     one, two = rows["grounded, 1 at a time"], rows["grounded, 2 at a time"]
     assert one["llama.cpp lookup"] == pytest.approx(2 * one["llama.cpp"]) and one["llama.cpp tokens"] == 3
+    assert one["llama.cpp same"] is True
     assert "llama.cpp" not in two  # a batch-1 peer: no served streams
     stop = engines["off"].processor.eos_token_id
     assert {c[1:] for c in calls} == {(6, (stop,), False), (6, (stop,), True)} and len(calls) == 4

@@ -26,6 +26,7 @@ from server.bench.serve import launch
 from server.bench.soak import Watch, _rss, engine_core_pid, engine_gauges
 
 TTFT_RATIO, ITL_RATIO, RSS_RETURN = 2.0, 1.5, 1.1
+SETTLE_S = 5.0  # seconds idle before the memory after the attack is read
 PACE_S = 0.1  # an attack starts again this long after it last started, at the soonest
 # README's bounds for the default model on a 24 GiB host: the core's is its KV cache (25 % of RAM), which it
 # commits as blocks are first used (so it is not expected back once idle), plus the weights and about 2 GiB.
@@ -233,6 +234,7 @@ def run(
             if len(gauges) == 3 and not any(gauges.values()):
                 break
             time.sleep(1.0)
+        time.sleep(SETTLE_S)  # idle, with no request at all: the server gives its freed memory back
         after = {n: _rss(pid) for n, pid in pids.items()}
     peak = {n: max(watch.rss_max[n], after[n]) >> 20 for n in pids}
     result = {

@@ -356,7 +356,7 @@ def parser() -> argparse.ArgumentParser:
         "--compare",
         choices=["llama.cpp"],
         default=None,
-        help="also run llama.cpp on the same GGUF file at 1 at a time, plain and with its prompt lookup",
+        help="also run llama.cpp on the same GGUF file, a request at a time, plain and by its prompt lookup",
     )
     for p in (latency, spec):
         p.add_argument(

@@ -139,6 +139,19 @@ class LlamaCpp:
         self.proc.wait(timeout=30)
 
 
+def start_llama_cpp(
+    model: str | None, python: str | None, llm, lookup: tuple[int, int] | None = None
+) -> LlamaCpp:
+    """llama.cpp on `llm`'s GGUF file, with its threads and context length (`python`: the peer venv's
+    interpreter, default $KILN_LLAMA_CPP_PYTHON, else ../shared/peers' venv)."""
+    gguf_file = model or default_model_path()
+    if not gguf_file.endswith(".gguf"):
+        raise ValueError("--compare llama.cpp needs a .gguf model")
+    python = python or os.environ.get("KILN_LLAMA_CPP_PYTHON", LLAMA_CPP_PYTHON)
+    threads = llm.config.num_threads or len(os.sched_getaffinity(0))
+    return LlamaCpp(python, gguf_file, threads, llm.max_model_len, lookup)
+
+
 async def bench(llm, peer, prompts: dict[int, list[list[int]]], output_len: int, threads: int | None) -> dict:
     """Each prompt through kiln and through the peer (transformers' model, or LlamaCpp), taking turns."""
     import torch
@@ -206,11 +219,7 @@ def run(
         if compare == "transformers":
             peer = load_transformers(model_dir, ready.dtype, ready.device, threads)
         elif compare == "llama.cpp":
-            gguf_file = model or default_model_path()
-            if not gguf_file.endswith(".gguf"):
-                raise ValueError("--compare llama.cpp needs a .gguf model")
-            python = llama_cpp_python or os.environ.get("KILN_LLAMA_CPP_PYTHON", LLAMA_CPP_PYTHON)
-            peer = LlamaCpp(python, gguf_file, threads or torch.get_num_threads(), llm.max_model_len)
+            peer = start_llama_cpp(model, llama_cpp_python, llm)
         torch.set_num_threads(1)  # the engine core owns the cores while kiln runs
         out: dict = {
             "config": {

@@ -1,8 +1,8 @@
 """`kiln bench runner`: the model runner alone, against transformers.
 
 Decode is timed with synthetic context: each sequence gets `context` positions of KV-cache blocks
-and decodes from there (the cost of a decode step does not depend on what the cache holds), so
-large batches need no long prefill first. Prefill is timed on a random prompt. The engines take
+holding random K/V (server/bench/driver.py: RunnerDriver) and decodes from there, so large batches need
+no long prefill first. Prefill is timed on a random prompt. The engines take
 turns, a few steps each, so that their ratios hold on a machine whose speed drifts.
 """
 
@@ -54,7 +54,7 @@ class KilnEngine:
 
     def __init__(self, runner: ModelRunner, prefill_len: int) -> None:
         self.runner, self.prefill_len = runner, prefill_len
-        self.driver = RunnerDriver(runner)  # the synthetic context reads slots no step wrote: zeros
+        self.driver = RunnerDriver(runner)
         self.prompt = torch.randint(0, runner.vocab_size, (prefill_len,)).tolist()
         self.prefills = 0
 

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from pathlib import Path
 
 import msgspec
 
 from engine.params import SamplingParams
-from server.bench.latency import LLAMA_CPP_PYTHON, LlamaCpp
+from server.bench.latency import start_llama_cpp
 
 PROMPTS = Path(__file__).with_name("spec_prompts.json")
 
@@ -95,6 +94,7 @@ async def _bench(
             if "llama.cpp" in row:
                 row["llama.cpp tokens"] = sum(map(len, answers["llama.cpp lookup"]))
                 row["kiln tokens"] = sum(map(len, answers["drafts"]))
+                row["llama.cpp same"] = answers["llama.cpp lookup"] == answers["llama.cpp"]
             results[f"{name}, {c} at a time"] = row
     return results
 
@@ -111,26 +111,20 @@ def run(
 ) -> dict:
     from engine.async_llm import AsyncLLM
     from engine.config import SpeculativeConfig
-    from engine.model_files import default_model_path
 
     args = {key: value for key, value in engine_args.items() if key != "speculative_config"}
     config = msgspec.convert(json.loads(spec), SpeculativeConfig)
-    peer = None
-    if compare == "llama.cpp":
-        gguf_file = model or default_model_path()
-        if not gguf_file.endswith(".gguf"):
-            raise ValueError("--compare llama.cpp needs a .gguf model")
-        python = llama_cpp_python or os.environ.get("KILN_LLAMA_CPP_PYTHON", LLAMA_CPP_PYTHON)
-        lookup = (config.num_speculative_tokens, config.prompt_lookup_max)
-        threads = engine_args.get("num_threads") or len(os.sched_getaffinity(0))
-        peer = LlamaCpp(python, gguf_file, threads, 2048, lookup)
+    lookup = (config.num_speculative_tokens, config.prompt_lookup_max)
     engines = {"off": AsyncLLM(model, **args), "drafts": AsyncLLM(model, speculative_config=spec, **args)}
+    peer = None
 
     def renew() -> None:
         engines["drafts"].shutdown()
         engines["drafts"] = AsyncLLM(model, speculative_config=spec, **args)
 
     try:
+        if compare == "llama.cpp":
+            peer = start_llama_cpp(model, llama_cpp_python, engines["off"], lookup)
         data = json.loads(PROMPTS.read_text())
         sets = {name: [engines["off"].chat_prompt(m) for m in chats] for name, chats in data.items()}
         params = SamplingParams(temperature=0.0, max_tokens=output_len)
@@ -174,12 +168,15 @@ def format_report(result: dict) -> str:
             f"LlamaPromptLookupDecoding(num_pred_tokens={peer['num_pred_tokens']}, "
             f"max_ngram_size={peer['max_ngram_size']})"
         )
-        lines.append(f"{'':34} {'plain tok/s':>11} {'lookup tok/s':>12} {'kiln drafts / lookup':>21} tokens")
+        lines.append(
+            f"{'':34} {'plain tok/s':>11} {'lookup tok/s':>12} {'kiln drafts / lookup':>21} tokens, same"
+        )
         for name, row in result["rows"].items():
             if "llama.cpp" in row:
                 lines.append(
                     f"{name:34} {row['llama.cpp']:11.1f} {row['llama.cpp lookup']:12.1f} "
                     f"{row['drafts'] / row['llama.cpp lookup']:20.2f}x "
-                    f"{row['llama.cpp tokens']} (kiln {row['kiln tokens']})"
+                    f"{row['llama.cpp tokens']} (kiln {row['kiln tokens']}), "
+                    f"{'yes' if row['llama.cpp same'] else 'NO'}"
                 )
     return "\n".join(lines)

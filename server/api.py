@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import functools
 import logging
 import re
@@ -32,6 +31,7 @@ from engine.errors import EngineDeadError
 from engine.processes import die_with_parent
 from server.errors import APIError, as_api_error, json_response
 from server.guard import APIKeyMiddleware, RequestGuard
+from server.memory import ReleaseWhenIdle, return_large_buffers_to_the_system
 from server.protocol import HealthResponse, ModelCard, ModelList, TokenizerInfoResponse, VersionResponse
 from server.serving import DEFAULT_MAX_BODY_BYTES, SHUTTING_DOWN, Disconnected, Serving
 from server.serving_chat import ChatServing
@@ -41,7 +41,6 @@ from server.serving_responses import ResponsesServing
 from server.serving_tokenize import TokenizeServing
 from server.transport import uvicorn_config
 
-M_MMAP_THRESHOLD = -3  # mallopt's parameter number, from glibc's malloc.h
 logger = logging.getLogger("kiln.server")
 STATS_MAX_AGE_S = 1.0  # /metrics answers from engine stats at most this old
 HEALTH_MAX_AGE_S = 5.0  # /health answers from stats this old while fresher ones are fetched
@@ -210,6 +209,7 @@ def build_app(
     # With a key, a page that reached the server by a rebound name still cannot authenticate.
     hosts = None if api_key else allowed_hosts
     app.add_middleware(RequestGuard, allowed_origins=allowed_origins, allowed_hosts=hosts)
+    app.add_middleware(ReleaseWhenIdle)  # outermost: refused requests count as work too
     return app
 
 
@@ -239,14 +239,6 @@ def raise_open_file_limit(target: int = 65536) -> int:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-
-
-def return_large_buffers_to_the_system() -> None:
-    """glibc raises its mmap threshold each time a large buffer is freed, after which large request bodies
-    and replies come from the heap and their memory stays with the process once freed; a fixed threshold
-    keeps every buffer from 1 MiB up mapped on its own and given back when freed (Linux, glibc only)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 1 << 20)
 
 
 def serve(

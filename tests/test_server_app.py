@@ -1087,3 +1087,34 @@ def test_the_large_lane_runs_below_the_model():
 
     large, small = Lane("large", 1, background=True), Lane("small", 1)
     assert asyncio.run(large.run(niceness, (), 0)) == 19 and asyncio.run(small.run(niceness, (), 0)) == 0
+
+
+def test_the_heaps_are_trimmed_once_no_request_has_run_for_a_while(monkeypatch):
+    from server import memory
+
+    monkeypatch.setattr(memory, "IDLE_S", 0.05)
+    trims, gate = [], asyncio.Event()
+
+    async def app(scope, receive, send):
+        if scope.get("path") == "/slow":
+            await gate.wait()
+
+    release = memory.ReleaseWhenIdle(app, trim=trims.append)
+
+    async def scenario() -> list[int]:
+        seen = []
+        slow = asyncio.create_task(release({"type": "http", "path": "/slow"}, None, None))
+        await release({"type": "http", "path": "/fast"}, None, None)  # ends while /slow still runs
+        await asyncio.sleep(0.15)
+        seen.append(len(trims))  # nothing while a request is in flight
+        gate.set()
+        await slow
+        await release({"type": "http", "path": "/fast"}, None, None)  # within IDLE_S: the wait restarts
+        await asyncio.sleep(0.02)
+        await release({"type": "lifespan"}, None, None)  # not a request
+        seen.append(len(trims))
+        await asyncio.sleep(0.15)
+        seen.append(len(trims))
+        return seen
+
+    assert asyncio.run(scenario()) == [0, 0, 1] and trims == [0]

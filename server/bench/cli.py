@@ -346,8 +346,8 @@ def parser() -> argparse.ArgumentParser:
         "--spec",
         default='{"method": "ngram", "num_speculative_tokens": 16, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 5}',
-        help="the speculative config of the drafting engine (on a CPU a verify step costs about the same "
-        "from 1 draft to 16)",
+        help="the speculative config of the drafting engine (on a CPU most of a verify step's cost comes "
+        "with its first draft)",
     )
     spec.add_argument("--output-len", type=int, default=256, help="longest answer, in tokens")
     spec.add_argument("--concurrency", default="1,4,16", help="streams served at once")

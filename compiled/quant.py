@@ -152,9 +152,9 @@ class PackedWeight(nn.Module):
             words = fields[..., 0].clone()
             for i in range(1, per_word):
                 words |= fields[..., i] << (w.bits * i)  # the top field wraps into the sign bit, as meant
-            # Stored as float32 bit patterns and viewed as int32 inside the kernels: Inductor's CPU loads of
-            # int32 vectors go through a copy, float ones do not.
-            self.words = nn.Parameter(_tile(words).view(torch.float32), requires_grad=False)
+            # Stored as int32 itself: a float32 copy viewed as int32 inside the kernels is bit-cast lane by
+            # lane through a buffer in Inductor's CPU code, which made the 4-bit reduction compute-bound.
+            self.words = nn.Parameter(_tile(words), requires_grad=False)
         self.scale = nn.Parameter(_tile(w.scale.float()), requires_grad=False)
         # Symmetric formats (Q8_0, int8, Q4_0) have no min to read: the kernels compute it (Q4_0: -8
         # scales) or drop it (8-bit), a ninth of a Q8_0 weight's bytes.
@@ -174,7 +174,7 @@ class PackedWeight(nn.Module):
         if self.bits == 8:
             fields = self.words[t, :, lane].view(*scale.shape, self.group)
         else:  # few eager ops: a decode step embeds its tokens outside the compiled graphs
-            words = self.words.view(torch.int32)[t, :, lane]
+            words = self.words[t, :, lane]
             shifts = torch.arange(0, 32, self.bits, dtype=torch.int32, device=index.device)
             fields = ((words[..., None] >> shifts) & ((1 << self.bits) - 1)).view(*scale.shape, self.group)
         w = fields.float() * scale[..., None]
@@ -194,7 +194,7 @@ class PackedWeight(nn.Module):
         x_sum = xf.sum(-1)
         shift = torch.tensor([2.0 ** (-bits * i) for i in range(per_word - 1)] + [1.0], device=x.device)
         xs = inductor_prims.force_stride_order(xf * shift, (xf.shape[1] * per_word, per_word, 1))
-        w = self.words.view(torch.int32)
+        w = self.words
         inner = None
         for i in range(per_word):
             # The top field shifted down: masked in place it would turn the int32 negative.
@@ -236,7 +236,7 @@ def dequantize_kn(
         fields = words.permute(1, 0, 2)
     else:
         shifts = torch.arange(per_word, device=words.device, dtype=torch.int32) * bits
-        fields = (spread(words.view(torch.int32), per_word) >> shifts.repeat(count)[:, None, None]) & mask
+        fields = (spread(words, per_word) >> shifts.repeat(count)[:, None, None]) & mask
     scales = spread(scale, group)
     mins = _min(scales, None if mn is None else spread(mn, group), bits)
     w = fields.float() * scales if mins is None else fields.float() * scales + mins

@@ -41,7 +41,6 @@ class ReleaseWhenIdle:
     def __init__(self, app, trim: Callable[[int], int] | None = None) -> None:
         self.app, self.trim = app, trim or _malloc_trim()
         self.running, self.timer = 0, None
-        self.trims = 0  # how often the heaps were trimmed
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or self.trim is None:
@@ -59,5 +58,4 @@ class ReleaseWhenIdle:
 
     def _release(self) -> None:
         self.timer = None
-        self.trims += 1
         asyncio.get_running_loop().run_in_executor(None, self.trim, 0)

@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from transformers import AutoConfig
 
 from compiled.attention import backend_for
@@ -24,7 +25,7 @@ from compiled.models.llama import ModelArgs, Transformer, rope_inv_freq
 from compiled.parallel import Split
 from compiled.pipeline import Stage
 from compiled.quant import TILE, PackedWeight, QuantEmbedding, Quantized, QuantLinear, quantizable, quantize
-from compiled.w8a8 import INT8_ISA, calibration_prompts, quantize_layers
+from compiled.w8a8 import INT8_ISA, add_int8_gemms, calibrate, int8_gemm, quantize_layers
 from engine.config import pipeline_partition, tensor_parallel_error
 
 logger = logging.getLogger("kiln.loader")
@@ -120,13 +121,26 @@ def _place(model: Transformer, name: str, value: torch.Tensor | Quantized, dtype
         _set(model, module_name, QuantLinear(packed, None))
 
 
-def quantize_model(model: Transformer, method: str) -> None:
+# Steps of several rows on int8, int4 and GGUF weights multiply through oneDNN's int8 GEMM on an int8 copy
+# of each weight (compiled/w8a8.py), activations quantized per token as llama.cpp's are: faster than
+# de-quantizing the weights for a float product on every ISA measured. One process only: a pipeline stage
+# cannot calibrate alone, and a tensor-parallel rank would round and smooth its shard apart from the rest.
+# KILN_INT8_GEMMS=0 keeps the weight-only arithmetic at every step size.
+INT8_GEMMS = INT8_ISA is not None and os.environ.get("KILN_INT8_GEMMS", "1") != "0"
+
+
+def quantize_model(model: Transformer, method: str, maxima: dict[str, Tensor] | None = None) -> None:
     """Weight-only int8 or int4 of every linear. The input embedding keeps its values: a step reads
-    only its own tokens' rows, and rounding them cost more perplexity than all the layers together."""
+    only its own tokens' rows, and rounding them cost more perplexity than all the layers together.
+    With `maxima`, each also gets an int8 GEMM's copy made from the float weight (`INT8_GEMMS`)."""
     for name, module in list(model.named_modules()):
         if type(module) is Linear and quantizable(method, module.weight):
             packed = PackedWeight(quantize(module.weight, method)).to(module.weight.device)
-            _set(model, name, QuantLinear(packed, None if module.bias is None else module.bias.detach()))
+            linear = QuantLinear(packed, None if module.bias is None else module.bias.detach())
+            # As add_int8_gemms, but from the float weight: from int8's groups it would round twice.
+            if maxima is not None and name.startswith("layers."):
+                linear.gemm = int8_gemm(module.weight, maxima.get(name))
+            _set(model, name, linear)
 
 
 def load_model(
@@ -191,9 +205,16 @@ def load_model(
     tied = args.tie_word_embeddings and model.output is not None
     if tied and isinstance(model.tok_embeddings, nn.Embedding):
         model.output.weight = model.tok_embeddings.weight
-    if quantization in ("int8", "int4"):
-        quantize_model(model, quantization)
     model.inv_freq = rope_inv_freq(args).to(device)  # built on the meta device above
-    if quantization == "w8a8":
-        quantize_layers(model, calibration_prompts(model_dir))
+    gemms = quantization in ("int8", "int4", "gguf") and device.type == "cpu" and INT8_GEMMS
+    gemms = gemms and tp_size == pp_size == 1
+    maxima = calibrate(model, model_dir) if gemms or quantization == "w8a8" else None
+    if gemms:
+        logger.info("steps of several rows: oneDNN's int8 GEMM on %s, on a copy of the weights", INT8_ISA)
+    if quantization in ("int8", "int4"):
+        quantize_model(model, quantization, maxima)
+    elif gemms:
+        add_int8_gemms(model, maxima)
+    elif quantization == "w8a8":
+        quantize_layers(model, maxima)
     return model.eval()

@@ -10,7 +10,8 @@ whole-vector loads. 4-bit fields of a row lie in int32 words in order (field `k`
 k // per_word, bits (k % per_word) * bits); 8-bit fields are signed bytes (q - 128), [tiles, K, TILE],
 which one vector load widens straight to floats, so a symmetric 8-bit format has no min term at all.
 Scales and mins are float32 in the same tiling: half-precision ones ran slower. More rows (prefill,
-larger decode batches) de-quantize the weight slice by slice for the matmul.
+larger decode batches) go through the int8 GEMM's copy of the weight where the loader made one
+(compiled/w8a8.py), else de-quantize the weight slice by slice for the matmul.
 """
 
 from __future__ import annotations
@@ -275,7 +276,8 @@ def _per_word(t: Tensor, rep: int) -> Tensor:
 
 class QuantLinear(nn.Module):
     """A linear layer whose weight is packed: one row, or a few (the plan's `matvec`), through the fused
-    reduction; more rows de-quantized for the matmul, CHUNK_ROWS weight rows at a time.
+    reduction; more rows through `gemm`, an int8 GEMM's copy of the weight (compiled/w8a8.py: Int8Gemm),
+    where the loader made one, else de-quantized for the matmul, CHUNK_ROWS weight rows at a time.
 
     Inside a compiled layer the slices' products unroll into the layer's graph. The LM head has many more
     slices (24 for SmolLM2's vocabulary): the compile policy passes it `kernels` with one graph called
@@ -286,11 +288,15 @@ class QuantLinear(nn.Module):
         self.packed = packed
         self.in_features, self.out_features = packed.in_features, packed.out_features
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.gemm: nn.Module | None = None
 
     def forward(self, x: Tensor, how: MatmulPlan, kernels: QuantKernels | None = None) -> Tensor:
         kernels = kernels or EAGER_KERNELS
         if how.matvec:
             return kernels.matvec(self, x)
+        if self.gemm is not None:
+            y = self.gemm(x)
+            return (y if self.bias is None else y + self.bias).to(x.dtype)
         dtype, p, step = x.dtype, self.packed, CHUNK_ROWS // TILE
         x = x.float() if how.upcast else x
         slices = [p.tiles(t, t + step) for t in range(0, p.words.shape[0], step)]

@@ -14,6 +14,8 @@ bfloat16 rate or more: AVX-512 VNNI's and AVX-VNNI's `vpdpbusd`, AMX's int8 tile
   takes the weight for a constant, and kiln's layer graphs take weights as inputs.
 - One row, or a few, take the weight-only reduction of compiled/quant.py over a tiled copy of the same
   int8 values: such a step costs reading the weight, which the GEMM reads no faster.
+- int8, int4 and GGUF weights (compiled/quant.py) get an `Int8Gemm` copy for steps of several rows in
+  their layers (compiled/loader.py: INT8_GEMMS): made from the float weight (int8, int4) or the blocks.
 - Per-token activations lose most where a few channels carry outliers (the input of the MLP's down
   projection above all). SmoothQuant's migration moves part of each input channel's range into the
   weight's column (x / s times W * s), with s from each channel's largest input over the shipped
@@ -22,6 +24,7 @@ bfloat16 rate or more: AVX-512 VNNI's and AVX-VNNI's `vpdpbusd`, AMX's int8 tile
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -36,7 +39,7 @@ from compiled.attention import AttentionMetadata
 from compiled.attention_cpu import fresh_prompt_pages
 from compiled.models.linear import Linear
 from compiled.plan import MatmulPlan, StepPlan
-from compiled.quant import PackedWeight, Quantized, quantizable
+from compiled.quant import PackedWeight, Quantized, QuantLinear, quantizable
 
 logger = logging.getLogger("kiln.loader")
 
@@ -107,9 +110,35 @@ def smoothing(input_max: Tensor, weight: Tensor, alpha: float = SMOOTHING) -> Te
     return (input_max.float().clamp_min(1e-5) ** alpha / w_max ** (1 - alpha)).clamp_min(1e-5)
 
 
+class Int8Gemm(nn.Module):
+    """oneDNN's int8 GEMM on a weight W quantized once per output channel as W * s (`smooth` s per input
+    channel, ones if none): rows x / s quantized per token as they come, the product scaled per channel
+    inside the GEMM and per token after it."""
+
+    def __init__(self, q: Tensor, scale: Tensor, smooth: Tensor) -> None:
+        super().__init__()
+        self.register_buffer("prepacked", torch.ops.onednn.qlinear_prepack(q, None), persistent=False)
+        self.register_buffer("scale", scale, persistent=False)
+        self.register_buffer("zero_points", torch.zeros(len(scale), dtype=torch.int64), persistent=False)
+        self.register_buffer("inverse", 1 / smooth, persistent=False)
+
+    @classmethod
+    def of(cls, weight: Tensor, smooth: Tensor | None = None, isa: str | None = INT8_ISA) -> Int8Gemm:
+        smooth = torch.ones(weight.shape[1]) if smooth is None else smooth.float()
+        return cls(*quantize_weight(weight.detach().float() * smooth, weight_max(isa)), smooth)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Rows [M, K] -> [M, N] float32, for the caller to add its bias to before rounding."""
+        xs = x.float() * self.inverse
+        # Materialised once: fused, the row maxima's pass and the quantizing pass would each recompute the
+        # op before (SiLU's exponentials).
+        q, scale = quantize_rows(inductor_prims.force_stride_order(xs, xs.stride()))
+        return torch.ops.kiln.int8_linear(q, self.prepacked, self.scale, self.zero_points, x.dtype) * scale
+
+
 class Int8Linear(nn.Module):
     """A linear layer on int8 weights: several rows through the int8 GEMM, one or a few (the plan's
-    `matvec`) through the weight-only reduction. Invariant: `prepacked` and `tiled` hold one quantization
+    `matvec`) through the weight-only reduction. Invariant: `gemm` and `tiled` hold one quantization
     of one weight, W * s with `smooth` s (ones if none), and both paths multiply it by x / s."""
 
     def __init__(
@@ -121,21 +150,14 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         fields = (q.to(torch.int16) + 128).to(torch.uint8)
         self.tiled = PackedWeight(Quantized(fields, scale[:, None], -128 * scale[:, None], 8, "w8a8"))
-        self.register_buffer("prepacked", torch.ops.onednn.qlinear_prepack(q, None), persistent=False)
-        self.register_buffer("scale", scale, persistent=False)
-        self.register_buffer("zero_points", torch.zeros(len(scale), dtype=torch.int64), persistent=False)
-        self.register_buffer("inverse", 1 / smooth, persistent=False)
+        self.gemm = Int8Gemm(q, scale, smooth)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     def forward(self, x: Tensor, how: MatmulPlan) -> Tensor:
-        xs = x.float() * self.inverse
         if how.matvec:
-            y = self.tiled.matvec(xs)
+            y = self.tiled.matvec(x.float() * self.gemm.inverse)
         else:
-            # Materialised once: fused, the row maxima's pass and the quantizing pass would each recompute
-            # the op before (SiLU's exponentials).
-            q, scale = quantize_rows(inductor_prims.force_stride_order(xs, xs.stride()))
-            y = torch.ops.kiln.int8_linear(q, self.prepacked, self.scale, self.zero_points, x.dtype) * scale
+            y = self.gemm(x)
         return (y if self.bias is None else y + self.bias).to(x.dtype)
 
     def add_to(self, h: Tensor, x: Tensor, how: MatmulPlan) -> Tensor:
@@ -143,8 +165,8 @@ class Int8Linear(nn.Module):
 
     def dequantized(self) -> Tensor:
         """The weight the layer computes with, W as de-quantized, [N, K] float32."""
-        rows = self.tiled.rows(torch.arange(self.out_features, device=self.scale.device))
-        return rows * self.inverse
+        rows = self.tiled.rows(torch.arange(self.out_features, device=self.gemm.scale.device))
+        return rows * self.gemm.inverse
 
 
 def calibration_prompts(model_dir: str) -> list[list[int]]:
@@ -160,31 +182,34 @@ def calibration_prompts(model_dir: str) -> list[list[int]]:
     return [tokenizer(text, add_special_tokens=not tokenizer.chat_template)["input_ids"] for text in texts]
 
 
-def input_maxima(model: nn.Module, prompts: list[list[int]], block_size: int = 64) -> dict[nn.Module, Tensor]:
-    """The largest |input| per channel of every Linear of the layers over `prompts`, each run eagerly as
-    one prefill in the model's own weights, over a KV cache made for it and dropped after."""
-    maxima: dict[nn.Module, Tensor] = {}
+def input_maxima(model: nn.Module, prompts: list[list[int]], block_size: int = 64) -> dict[str, Tensor]:
+    """The largest |input| per channel of every linear layer of the layers (by name) over `prompts`, run
+    eagerly as one prefill step in the model's own weights, over a KV cache made for it and dropped after."""
+    maxima: dict[str, Tensor] = {}
 
-    def record(module: nn.Module, args: tuple) -> None:
+    def record(name: str, module: nn.Module, args: tuple) -> None:
         x = args[0].detach().float().abs().amax(0)
-        maxima[module] = x if module not in maxima else torch.maximum(maxima[module], x)
+        maxima[name] = x if name not in maxima else torch.maximum(maxima[name], x)
 
-    hooks = [m.register_forward_pre_hook(record) for m in model.layers.modules() if type(m) is Linear]
-    dtype = model.tok_embeddings.weight.dtype
-    model.allocate_kv_cache(-(-max(map(len, prompts)) // block_size) + 1, block_size, dtype)
-    model.cache_rope(max(map(len, prompts)), dtype)
+    hooks = [
+        m.register_forward_pre_hook(functools.partial(record, name))
+        for name, m in model.named_modules()
+        if name.startswith("layers.") and type(m) in (Linear, QuantLinear)
+    ]
+    lens = [len(ids) for ids in prompts] + [0]  # a lone prompt is a step of two chunks, as serving pads it
+    tables, slots, chunks = fresh_prompt_pages(lens, block_size)
+    dtype = model.norm.weight.dtype
+    model.allocate_kv_cache(int(tables.max()) + 1, block_size, dtype)
+    model.cache_rope(max(lens), dtype)
     empty = torch.zeros(0, dtype=torch.int64)
     try:
-        for ids in prompts:
-            tables, slots, chunks = fresh_prompt_pages([len(ids), 0], block_size)
-            meta = AttentionMetadata(slots, empty.view(0, 1), empty, tables, chunks)
-            with torch.no_grad():
-                model(
-                    torch.tensor(ids),
-                    torch.arange(len(ids)),
-                    meta,
-                    StepPlan("prefill", MatmulPlan(), "matmul"),
-                )
+        with torch.no_grad():
+            model(
+                torch.tensor([t for ids in prompts for t in ids], dtype=torch.int64),
+                torch.cat([torch.arange(n) for n in lens]),
+                AttentionMetadata(slots, empty.view(0, 1), empty, tables, chunks),
+                StepPlan("prefill", MatmulPlan(), "matmul"),
+            )
     finally:
         for hook in hooks:
             hook.remove()
@@ -193,26 +218,47 @@ def input_maxima(model: nn.Module, prompts: list[list[int]], block_size: int = 6
     return maxima
 
 
-def quantize_layers(model: nn.Module, prompts: list[list[int]]) -> None:
+def calibrate(model: nn.Module, model_dir: str) -> dict[str, Tensor]:
+    """`input_maxima` over the shipped calibration chats; none where the model has no tokenizer to write
+    them, and its int8 GEMMs then go unsmoothed."""
+    try:
+        prompts = [ids for ids in calibration_prompts(model_dir) if ids]
+    except (OSError, ValueError):
+        prompts = []
+    if not prompts or max(max(ids) for ids in prompts) >= model.args.vocab_size:
+        logger.warning("no tokenizer in %s to calibrate with: int8 GEMMs unsmoothed", model_dir)
+        return {}
+    return input_maxima(model, prompts)
+
+
+def int8_gemm(weight: Tensor, input_max: Tensor | None) -> Int8Gemm:
+    """An Int8Gemm of `weight` ([N, K], float), smoothed by its inputs' maxima where known."""
+    return Int8Gemm.of(weight, None if input_max is None else smoothing(input_max, weight))
+
+
+def add_int8_gemms(model: nn.Module, maxima: dict[str, Tensor]) -> None:
+    """Every QuantLinear of the layers given an int8 GEMM's copy of its weight as de-quantized, for several
+    rows. The LM head keeps its float product: logits through int8 activations cost measurable perplexity."""
+    for name, module in model.named_modules():
+        if name.startswith("layers.") and isinstance(module, QuantLinear):
+            weight = module.packed.rows(torch.arange(module.out_features, device=module.packed.scale.device))
+            module.gemm = int8_gemm(weight, maxima.get(name))
+
+
+def quantize_layers(model: nn.Module, maxima: dict[str, Tensor]) -> None:
     """Every Linear of the layers that packs in tiles replaced by an Int8Linear, smoothed by its inputs'
-    maxima over `prompts`."""
-    maxima = input_maxima(model, prompts)
+    `maxima`."""
     bits = weight_max(INT8_ISA).bit_length() + 1
-    logger.info(
-        "w8a8: oneDNN's int8 GEMM on %s, weights of %d bits, smoothed over %d calibration tokens",
-        INT8_ISA,
-        bits,
-        sum(map(len, prompts)),
-    )
+    logger.info("w8a8: oneDNN's int8 GEMM on %s, weights of %d bits", INT8_ISA, bits)
     if bits < 8:
         logger.warning(
             "w8a8 without VNNI: 7-bit weights lose more quality than with VNNI or AMX (BENCHMARKS.md)"
         )
-    for name, module in list(model.layers.named_modules()):
-        if type(module) is Linear and quantizable("int8", module.weight):
+    for name, module in list(model.named_modules()):
+        if name.startswith("layers.") and type(module) is Linear and quantizable("int8", module.weight):
+            smooth = smoothing(maxima[name], module.weight) if name in maxima else None
             parent, _, attr = name.rpartition(".")
-            smooth = smoothing(maxima[module], module.weight)
-            setattr(model.layers.get_submodule(parent), attr, Int8Linear(module.weight, module.bias, smooth))
+            setattr(model.get_submodule(parent), attr, Int8Linear(module.weight, module.bias, smooth))
 
 
 _lib = torch.library.Library("kiln", "FRAGMENT")

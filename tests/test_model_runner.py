@@ -332,7 +332,7 @@ def test_no_recompile_after_warmup(tiny_llama, monkeypatch, quantization):
     before = module_state(runner.model)
     runner.warmup()
     graphs = runner.policy.decode_graphs
-    # Decode graphs for one row and for more, and for a few: quantized up to 8 rows, reduced row by row;
+    # Decode graphs for one row and for more, and for a few: quantized up to 4 or 8 rows, reduced together;
     # in float32 on packed weights 2 rows, whose matmuls run on the weights as stored.
     few = quantization == "int4" or runner.model.layers[0].attention.wqkv.prepacked is not None
     assert set(graphs) == ({"one", "few", "more"} if few else {"one", "more"})

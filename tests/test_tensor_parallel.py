@@ -101,8 +101,10 @@ def test_two_ranks_match_one_process(models, one_process, kind, enforce_eager):
     assert not engine_core_children()
 
 
-def test_quantized_weights_split_by_whole_groups(tmp_path, smollm2_dir):
-    """int4 (groups of 32) on a model whose o- and down-projections split into whole groups per rank."""
+def test_quantized_weights_split_by_whole_groups(tmp_path, smollm2_dir, monkeypatch):
+    """int4 (groups of 32) on a model whose o- and down-projections split into whole groups per rank; the
+    one process without the int8 GEMM copies that ranks do not make (compiled/loader.py)."""
+    monkeypatch.setenv("KILN_INT8_GEMMS", "0")  # read by the engine cores' processes
     model, quantized = (
         make_model(tmp_path, "wide", smollm2_dir),
         dict(enforce_eager=True, quantization="int4"),

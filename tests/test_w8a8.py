@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 from compiled import w8a8
 from compiled.loader import load_model
 from compiled.plan import MatmulPlan
+from compiled.quant import QuantLinear
 from compiled.w8a8 import Int8Linear, int8_isa, quantize_rows, quantize_weight, smoothing, weight_max
 from engine.config import EngineConfig
 from server.bench.driver import RunnerDriver, build_runner, chat_prompts
@@ -84,6 +85,29 @@ def test_the_one_row_reduction_computes_with_the_gemm_s_weights():
     assert (layer.dequantized() - w).abs().max() < 0.02 * w.abs().max()
     # The GEMM differs from it by the activations' rounding alone.
     assert (layer(x, GEMM) - one_row).norm() / one_row.norm() < 0.02
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_layers_take_an_int8_gemm_for_several_rows_their_own_kernel_for_one(tiny_llama, method):
+    """The layers of int8 / int4 weights get an int8 GEMM's copy of the float weight, the LM head none:
+    several rows go through it, within the activations' rounding of the float product; one row through
+    the weight-only reduction, exactly its de-quantized product."""
+    cpu = torch.device("cpu")
+    model, plain = (load_model(tiny_llama, torch.float32, cpu, q) for q in (method, "none"))
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    assert "output" in linears and len(linears) > 1
+    assert all((m.gemm is not None) == name.startswith("layers.") for name, m in linears.items())
+    torch.manual_seed(3)
+    for name, layer in linears.items():
+        if layer.gemm is None:
+            continue
+        x = torch.randn(8, layer.in_features)
+        exact = x @ plain.get_submodule(name).weight.T
+        several = layer(x, GEMM)
+        assert torch.equal(several, layer.gemm(x) + (0 if layer.bias is None else layer.bias))
+        assert (several - exact).norm() / exact.norm() < 0.03, name
+        dense = layer.packed.rows(torch.arange(layer.out_features))
+        torch.testing.assert_close(layer(x[:1], ONE_ROW), x[:1] @ dense.T, rtol=1e-4, atol=1e-4)
 
 
 def test_smoothing_moves_an_outlier_channel_s_range_into_the_weight():

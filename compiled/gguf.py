@@ -84,6 +84,13 @@ def gguf_tensors(path: str) -> tuple[dict, list[tuple[str, str, int, list[int], 
     return meta, tensors
 
 
+def own_blocks(path: str) -> bool:
+    """Whether a GGUF file's matrices are all float or of block types kiln computes on as they are, with
+    some of the latter."""
+    kinds = {kind for _, kind, _, shape, _ in gguf_tensors(path)[1] if len(shape) == 2}
+    return bool(kinds & GGUF_BLOCK.keys()) and kinds <= GGUF_BLOCK.keys() | set(_FLOATS)
+
+
 def _weights(
     arch: str, tensors: Iterable, args: ModelArgs, family: ModelFamily
 ) -> Iterator[tuple[str, str, torch.Tensor | Quantized]]:

@@ -18,14 +18,14 @@ from torch import Tensor, nn
 from transformers import AutoConfig
 
 from compiled.attention import backend_for
-from compiled.gguf import read_gguf
+from compiled.gguf import own_blocks, read_gguf
 from compiled.models.family import ModelFamily, family_of, renamed
 from compiled.models.linear import CPU_HAS_FAST_BF16, Linear
 from compiled.models.llama import ModelArgs, Transformer, rope_inv_freq
 from compiled.parallel import Split
 from compiled.pipeline import Stage
 from compiled.quant import TILE, PackedWeight, QuantEmbedding, Quantized, QuantLinear, quantizable, quantize
-from compiled.w8a8 import INT8_ISA, add_int8_gemms, calibrate, int8_gemm, quantize_layers
+from compiled.w8a8 import INT8_ISA, add_int8_gemms, calibrate, int8_gemm, quantize_layers, weight_max
 from engine.config import pipeline_partition, tensor_parallel_error
 
 logger = logging.getLogger("kiln.loader")
@@ -123,16 +123,31 @@ def _place(model: Transformer, name: str, value: torch.Tensor | Quantized, dtype
 
 # Steps of several rows on int8, int4 and GGUF weights multiply through oneDNN's int8 GEMM on an int8 copy
 # of each weight (compiled/w8a8.py), activations quantized per token as llama.cpp's are: faster than
-# de-quantizing the weights for a float product on every ISA measured. One process only: a pipeline stage
+# de-quantizing the weights for a float product where measured. Where products sum in 32 bits (VNNI, AMX):
+# AVX2's int8 path takes 7-bit weights, which cost w8a8 3 % perplexity. One process only: a pipeline stage
 # cannot calibrate alone, and a tensor-parallel rank would round and smooth its shard apart from the rest.
 # KILN_INT8_GEMMS=0 keeps the weight-only arithmetic at every step size.
-INT8_GEMMS = INT8_ISA is not None and os.environ.get("KILN_INT8_GEMMS", "1") != "0"
+INT8_GEMMS = weight_max(INT8_ISA) == 127 and os.environ.get("KILN_INT8_GEMMS", "1") != "0"
+
+
+def resolve_quantization(
+    quantization: str, dtype: str, gguf_path: str | None, device: torch.device, ranks: int
+) -> str:
+    """What "auto" means here: a GGUF file's own blocks where steps of every size run at least as fast on
+    them as on the de-quantized weights (INT8_GEMMS: a CPU with VNNI or AMX, one process, the layers'
+    blocks all of a type kiln reads as it is) and `dtype` does not name the weights' dtype ("auto");
+    else "none", the weights de-quantized."""
+    if quantization != "auto":
+        return quantization
+    fast = dtype == "auto" and device.type == "cpu" and INT8_GEMMS and ranks == 1
+    return "gguf" if fast and gguf_path is not None and own_blocks(gguf_path) else "none"
 
 
 def quantize_model(model: Transformer, method: str, maxima: dict[str, Tensor] | None = None) -> None:
     """Weight-only int8 or int4 of every linear. The input embedding keeps its values: a step reads
     only its own tokens' rows, and rounding them cost more perplexity than all the layers together.
-    With `maxima`, each also gets an int8 GEMM's copy made from the float weight (`INT8_GEMMS`)."""
+    With `maxima`, each linear of the layers also gets an int8 GEMM's copy made from the float weight
+    (`INT8_GEMMS`)."""
     for name, module in list(model.named_modules()):
         if type(module) is Linear and quantizable(method, module.weight):
             packed = PackedWeight(quantize(module.weight, method)).to(module.weight.device)
@@ -208,7 +223,11 @@ def load_model(
     model.inv_freq = rope_inv_freq(args).to(device)  # built on the meta device above
     gemms = quantization in ("int8", "int4", "gguf") and device.type == "cpu" and INT8_GEMMS
     gemms = gemms and tp_size == pp_size == 1
+    if quantization == "gguf":  # a file of other block types holds its layers de-quantized
+        gemms = gemms and any(isinstance(m, QuantLinear) for m in model.layers.modules())
     maxima = calibrate(model, model_dir) if gemms or quantization == "w8a8" else None
+    if quantization == "w8a8" and not maxima:
+        raise ValueError(f"quantization w8a8 calibrates on chats its tokenizer writes: {model_dir} has none")
     if gemms:
         logger.info("steps of several rows: oneDNN's int8 GEMM on %s, on a copy of the weights", INT8_ISA)
     if quantization in ("int8", "int4"):

@@ -110,6 +110,12 @@ def smoothing(input_max: Tensor, weight: Tensor, alpha: float = SMOOTHING) -> Te
     return (input_max.float().clamp_min(1e-5) ** alpha / w_max ** (1 - alpha)).clamp_min(1e-5)
 
 
+def smoothed_fields(weight: Tensor, smooth: Tensor | None, isa: str | None) -> tuple[Tensor, Tensor, Tensor]:
+    """W * s quantized per output channel for `isa`: fields, scales, and s (ones if `smooth` is None)."""
+    smooth = torch.ones(weight.shape[1]) if smooth is None else smooth.float()
+    return *quantize_weight(weight.detach().float() * smooth, weight_max(isa)), smooth
+
+
 class Int8Gemm(nn.Module):
     """oneDNN's int8 GEMM on a weight W quantized once per output channel as W * s (`smooth` s per input
     channel, ones if none): rows x / s quantized per token as they come, the product scaled per channel
@@ -124,8 +130,7 @@ class Int8Gemm(nn.Module):
 
     @classmethod
     def of(cls, weight: Tensor, smooth: Tensor | None = None, isa: str | None = INT8_ISA) -> Int8Gemm:
-        smooth = torch.ones(weight.shape[1]) if smooth is None else smooth.float()
-        return cls(*quantize_weight(weight.detach().float() * smooth, weight_max(isa)), smooth)
+        return cls(*smoothed_fields(weight, smooth, isa))
 
     def forward(self, x: Tensor) -> Tensor:
         """Rows [M, K] -> [M, N] float32, for the caller to add its bias to before rounding."""
@@ -145,8 +150,7 @@ class Int8Linear(nn.Module):
         self, weight: Tensor, bias: Tensor | None, smooth: Tensor | None = None, isa: str | None = INT8_ISA
     ) -> None:
         super().__init__()
-        smooth = torch.ones(weight.shape[1]) if smooth is None else smooth.float()
-        q, scale = quantize_weight(weight.detach().float() * smooth, weight_max(isa))
+        q, scale, smooth = smoothed_fields(weight, smooth, isa)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         fields = (q.to(torch.int16) + 128).to(torch.uint8)
         self.tiled = PackedWeight(Quantized(fields, scale[:, None], -128 * scale[:, None], 8, "w8a8"))
@@ -193,10 +197,10 @@ def input_maxima(model: nn.Module, prompts: list[list[int]], block_size: int = 6
 
     hooks = [
         m.register_forward_pre_hook(functools.partial(record, name))
-        for name, m in model.named_modules()
-        if name.startswith("layers.") and type(m) in (Linear, QuantLinear)
+        for name, m in model.layers.named_modules(prefix="layers")
+        if type(m) in (Linear, QuantLinear)
     ]
-    lens = [len(ids) for ids in prompts] + [0]  # a lone prompt is a step of two chunks, as serving pads it
+    lens = [len(ids) for ids in prompts] + [0]  # an empty chunk last, as a step of one prompt carries
     tables, slots, chunks = fresh_prompt_pages(lens, block_size)
     dtype = model.norm.weight.dtype
     model.allocate_kv_cache(int(tables.max()) + 1, block_size, dtype)
@@ -223,10 +227,11 @@ def calibrate(model: nn.Module, model_dir: str) -> dict[str, Tensor]:
     them, and its int8 GEMMs then go unsmoothed."""
     try:
         prompts = [ids for ids in calibration_prompts(model_dir) if ids]
-    except (OSError, ValueError):
-        prompts = []
+    except Exception as e:  # a missing tokenizer, a broken chat template: the error, not the load, is logged
+        logger.warning("%s cannot write the calibration chats (%s): int8 GEMMs unsmoothed", model_dir, e)
+        return {}
     if not prompts or max(max(ids) for ids in prompts) >= model.args.vocab_size:
-        logger.warning("no tokenizer in %s to calibrate with: int8 GEMMs unsmoothed", model_dir)
+        logger.warning("%s's tokenizer does not fit the model: int8 GEMMs unsmoothed", model_dir)
         return {}
     return input_maxima(model, prompts)
 
@@ -239,8 +244,8 @@ def int8_gemm(weight: Tensor, input_max: Tensor | None) -> Int8Gemm:
 def add_int8_gemms(model: nn.Module, maxima: dict[str, Tensor]) -> None:
     """Every QuantLinear of the layers given an int8 GEMM's copy of its weight as de-quantized, for several
     rows. The LM head keeps its float product: logits through int8 activations cost measurable perplexity."""
-    for name, module in model.named_modules():
-        if name.startswith("layers.") and isinstance(module, QuantLinear):
+    for name, module in model.layers.named_modules(prefix="layers"):
+        if isinstance(module, QuantLinear):
             weight = module.packed.rows(torch.arange(module.out_features, device=module.packed.scale.device))
             module.gemm = int8_gemm(weight, maxima.get(name))
 
@@ -254,8 +259,8 @@ def quantize_layers(model: nn.Module, maxima: dict[str, Tensor]) -> None:
         logger.warning(
             "w8a8 without VNNI: 7-bit weights lose more quality than with VNNI or AMX (BENCHMARKS.md)"
         )
-    for name, module in list(model.named_modules()):
-        if name.startswith("layers.") and type(module) is Linear and quantizable("int8", module.weight):
+    for name, module in list(model.layers.named_modules(prefix="layers")):
+        if type(module) is Linear and quantizable("int8", module.weight):
             smooth = smoothing(maxima[name], module.weight) if name in maxima else None
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent), attr, Int8Linear(module.weight, module.bias, smooth))

@@ -19,7 +19,7 @@ from compiled import compile_policy, parallel
 from compiled.cpu_threads import CpuThreads
 from compiled.gguf import convert_gguf
 from compiled.host_memory import available_ram, keep_freed_memory
-from compiled.loader import resolve_dtype
+from compiled.loader import resolve_dtype, resolve_quantization
 from compiled.model_runner import ModelRunner
 from engine.config import EngineConfig
 from engine.step import ModelRunnerOutput, SchedulerOutput
@@ -65,7 +65,9 @@ class Worker:
         if device.type == "cpu":
             keep_freed_memory()
         gguf_path = config.model if config.model and config.model.endswith(".gguf") else None
-        self.config = msgspec.structs.replace(config.resolved(device.type == "cuda"), model=model_dir)
+        quantization = resolve_quantization(config.quantization, config.dtype, gguf_path, device, size)
+        config = msgspec.structs.replace(config.resolved(device.type == "cuda"), quantization=quantization)
+        self.config = msgspec.structs.replace(config, model=model_dir)
         self.runner = ModelRunner(self.config, device, resolve_dtype(config.dtype, device), gguf_path, rank)
 
     @staticmethod

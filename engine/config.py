@@ -60,11 +60,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     quantization: Annotated[
         str,
         _help(
-            "none (weights in dtype), gguf (compute on a GGUF file's own Q4_0/Q4_1/Q8_0 blocks), "
-            "int8 (weight-only, groups of 64), int4 (weight-only, groups of 32) or w8a8 (int8 weights per "
-            "channel times int8 activations per token, CPU)"
+            "auto (a .gguf model's own blocks on a CPU with an int8 GEMM, in one process, unless --dtype "
+            "names the weights' dtype; else none), none (weights in dtype), gguf (compute on a GGUF "
+            "file's own Q4_0/Q4_1/Q8_0 blocks), "
+            "int8 (groups of 64), int4 (groups of 32) or w8a8 (int8 weights per channel times int8 "
+            "activations per token, CPU)"
         ),
-    ] = "none"
+    ] = "auto"
     max_model_len: Annotated[int | None, _help("context length (default: the model's)")] = None
     block_size: Annotated[int | None, _help("tokens per KV-cache block (default: CPU 64, CUDA 16)")] = None
     max_num_seqs: Annotated[
@@ -238,9 +240,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
         check(0.0 < self.cpu_kv_cache_fraction < 1.0, "cpu_kv_cache_fraction", "must be in (0, 1)")
         check(
-            self.quantization in ("none", "gguf", "int8", "int4", "w8a8"),
+            self.quantization in ("auto", "none", "gguf", "int8", "int4", "w8a8"),
             "quantization",
-            "must be none, gguf, int8, int4 or w8a8",
+            "must be auto, none, gguf, int8, int4 or w8a8",
         )
         check(
             self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),

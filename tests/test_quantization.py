@@ -10,13 +10,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from compiled import loader, quant
-from compiled.gguf import _dequantize
-from compiled.loader import _place
+from compiled.gguf import _dequantize, own_blocks
+from compiled.loader import _place, resolve_quantization
 from compiled.models.linear import Linear
 from compiled.plan import MatmulPlan
 from compiled.quant import INDUCTOR_OPTIONS, PackedWeight, QuantLinear, dequantize_kn, from_gguf, quantize
 from engine import LLM
 from engine.config import EngineConfig
+from engine.model_files import default_model_path
 from server.bench.driver import RunnerDriver, build_runner, chat_prompts, greedy_mismatches
 from tests.test_model_runner import check_packed_step, poison_kv_cache
 
@@ -81,10 +82,46 @@ def test_a_weight_whose_rows_do_not_fill_tiles_is_computed_dequantized(caplog):
 
 
 def test_bad_quantization_is_refused_before_the_engine_starts(tiny_llama):
-    with pytest.raises(ValueError, match="quantization must be none, gguf, int8, int4 or w8a8"):
+    with pytest.raises(ValueError, match="quantization must be auto, none, gguf, int8, int4 or w8a8"):
         EngineConfig(quantization="fp3")
     with pytest.raises(ValueError, match=r"quantization gguf needs a \.gguf model file"):
         LLM(model=tiny_llama, quantization="gguf")
+
+
+def test_a_gguf_model_computes_on_its_own_blocks_unless_a_dtype_is_named(monkeypatch):
+    """ "auto" takes the blocks where no step runs slower on them (int8 GEMM copies: an x86 CPU, one
+    process) and no dtype was named for the weights; explicit choices stay as they are."""
+    cpu, blocks = torch.device("cpu"), "/models/m.gguf"
+    monkeypatch.setattr(loader, "INT8_GEMMS", True)
+    monkeypatch.setattr(loader, "own_blocks", lambda path: path == blocks)
+    assert resolve_quantization("auto", "auto", blocks, cpu, 1) == "gguf"
+    assert resolve_quantization("auto", "bfloat16", blocks, cpu, 1) == "none"
+    assert resolve_quantization("auto", "auto", None, cpu, 1) == "none"  # a safetensors directory
+    assert resolve_quantization("auto", "auto", blocks, torch.device("cuda"), 1) == "none"
+    assert resolve_quantization("auto", "auto", blocks, cpu, 2) == "none"  # ranks make no GEMM copies
+    assert resolve_quantization("int4", "float32", None, cpu, 2) == "int4"
+    assert resolve_quantization("auto", "auto", "/models/k-quants.gguf", cpu, 1) == "none"
+    monkeypatch.setattr(loader, "INT8_GEMMS", False)
+    assert resolve_quantization("auto", "auto", blocks, cpu, 1) == "none"
+
+
+def test_a_gguf_file_s_own_blocks_are_those_kiln_reads_as_they_are(tmp_path):
+    assert own_blocks(default_model_path())  # Q4_1 and Q8_0
+    writer = gguf.GGUFWriter(str(tmp_path / "f32.gguf"), "llama")
+    writer.add_tensor("blk.0.ffn_up.weight", np.zeros((32, 64), dtype=np.float32))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    assert not own_blocks(str(tmp_path / "f32.gguf"))  # nothing to compute on but floats
+
+
+@pytest.mark.slow
+def test_the_default_model_loads_its_blocks_with_int8_gemm_copies_by_default():
+    runner = build_runner(None, max_num_seqs=1, num_kv_blocks=16, enforce_eager=True)
+    assert runner.config.quantization == ("gguf" if loader.INT8_GEMMS else "none")
+    layers = [m for m in runner.model.layers.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == (120 if loader.INT8_GEMMS else 0)
+    assert all(m.gemm is not None for m in layers)
 
 
 def _dequantized_copy(model_dir: str, method: str, target) -> str:

@@ -184,7 +184,7 @@ def parser() -> argparse.ArgumentParser:
     runner.add_argument("--prefill-len", type=int, default=512)
     runner.add_argument("--num-threads", type=int, default=None)
     runner.add_argument("--no-compare", action="store_true", help="skip transformers")
-    runner.add_argument("--quantization", default="none", help="none, gguf, int8, int4 or w8a8")
+    runner.add_argument("--quantization", default="none", help="none, gguf, int8, int4 or w8a8 (not auto)")
     runner.add_argument(
         "--against", default=None, help="QUANTIZATION:DTYPE: compiled kiln on those weights instead of eager"
     )

@@ -252,7 +252,8 @@ def format_report(r: dict) -> str:
     c, roof = r["config"], r["roofline_tok_s"]
     rows = [
         f"latency: batch 1, {c['output_len']} output tokens, {c['iters']} timed requests per prompt length "
-        f"(after one warm-up); {c['model']} {c['dtype']} on {c['device']}",
+        f"(after one warm-up); {c['model']} {c['dtype']} (quantization {c.get('quantization', 'none')}) "
+        f"on {c['device']}",
         f"copy bandwidth {r['copy_bandwidth_GBps']:.1f} GB/s (mean of "
         f"{' and '.join(f'{x:.1f}' for x in r['copy_bandwidth_GBps_before_after'])}"
         f" just before and after the requests), weights {r['weight_bytes'] / 2**30:.2f} GiB "

@@ -182,6 +182,7 @@ def run(
             "config": {
                 "model": model_dir,
                 "dtype": ready.dtype,
+                "quantization": cfg.quantization,
                 "device": ready.device,
                 "num_prompts": len(prompts),
                 "dataset": dataset,
@@ -229,7 +230,8 @@ def format_report(r: dict) -> str:
     source = c["dataset"] or f"random windows of {c['input_len_min']}-{c['input_len_max']} tokens"
     rows = [
         f"throughput: {c['num_prompts']} prompts ({source}, mean {c['input_len_mean']:.0f} tokens), "
-        f"{c['output_len']} output tokens each; {c['model']} {c['dtype']} on {c['device']}, "
+        f"{c['output_len']} output tokens each; {c['model']} {c['dtype']} "
+        f"(quantization {c.get('quantization', 'none')}) on {c['device']}, "
         f"max_num_seqs {c['max_num_seqs']}",
         "| engine | requests/s | output tok/s | total tok/s | time s | kiln / this |",
         "|---|---|---|---|---|---|",

@@ -155,6 +155,11 @@ def run(args: argparse.Namespace) -> int:
         flags = engine_flags(args)
         result = soak.run(args.model, flags, args.requests, args.duration, args.clients, args.seed, log)
         print(soak.format_report(result))
+    elif args.bench == "random-model":
+        from server.bench.models import random_model
+
+        result = {"model": random_model(args.shape, args.out)}
+        print(result["model"])
     elif args.bench == "attack":
         from server.bench import attack
 
@@ -188,6 +193,9 @@ def parser() -> argparse.ArgumentParser:
     runner.add_argument(
         "--against", default=None, help="QUANTIZATION:DTYPE: compiled kiln on those weights instead of eager"
     )
+    shape = kinds.add_parser("random-model", help="write a random-weight model of a larger shape, once")
+    shape.add_argument("--shape", default="llama-3.2-1b")
+    shape.add_argument("--out", default=None, help="directory (default: under the cache)")
     startup = kinds.add_parser("startup", help="process start to first token, cold and warm compile cache")
     startup.add_argument("--model", default=None)
     startup.add_argument("--dtype", default="auto")

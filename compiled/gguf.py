@@ -85,9 +85,10 @@ def gguf_tensors(path: str) -> tuple[dict, list[tuple[str, str, int, list[int], 
 
 
 def own_blocks(path: str) -> bool:
-    """Whether a GGUF file's matrices are all float or of block types kiln computes on as they are, with
-    some of the latter."""
-    kinds = {kind for _, kind, _, shape, _ in gguf_tensors(path)[1] if len(shape) == 2}
+    """Whether a GGUF file's layers' matrices are all float or of block types kiln computes on as they
+    are, with some of the latter."""
+    tensors = gguf_tensors(path)[1]
+    kinds = {kind for name, kind, _, shape, _ in tensors if name.startswith("blk.") and len(shape) == 2}
     return bool(kinds & GGUF_BLOCK.keys()) and kinds <= GGUF_BLOCK.keys() | set(_FLOATS)
 
 

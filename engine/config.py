@@ -60,9 +60,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     quantization: Annotated[
         str,
         _help(
-            "auto (a .gguf model's own blocks on a CPU with an int8 GEMM, in one process, unless --dtype "
-            "names the weights' dtype; else none), none (weights in dtype), gguf (compute on a GGUF "
-            "file's own Q4_0/Q4_1/Q8_0 blocks), "
+            "auto (a .gguf model's own Q4_0/Q4_1/Q8_0 blocks on a CPU with VNNI or AMX, in one process, "
+            "unless --dtype names the weights' dtype; else none), none (weights in dtype), gguf (compute "
+            "on a GGUF file's own Q4_0/Q4_1/Q8_0 blocks), "
             "int8 (groups of 64), int4 (groups of 32) or w8a8 (int8 weights per channel times int8 "
             "activations per token, CPU)"
         ),

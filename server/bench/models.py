@@ -3,12 +3,13 @@ that kiln and the peers load alike: throughput past a 135M model without downloa
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 from engine.model_files import cache_root
 
-# Llama-3.2-1B's config (RoPE scaled as Llama 3.2's), context capped at 4,096 for the benches.
+# Llama-3.2-1B's config, its context (and so RoPE's original length) capped at 4,096 for the benches.
 SHAPES = {
     "llama-3.2-1b": dict(
         hidden_size=2048,
@@ -42,13 +43,15 @@ def random_model(shape: str, dest: str | None = None, **overrides: object) -> st
     from server.bench.driver import model_dir
 
     target = Path(dest) if dest else cache_root() / "random" / shape
-    if (target / "model.safetensors").exists():
+    if target.exists():
         return str(target)
     config = LlamaConfig(**{**SHAPES[shape], **overrides}, bos_token_id=1, eos_token_id=2)
     config.architectures = ["LlamaForCausalLM"]  # vLLM picks its model class by this
     torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(target)
+    partial = target.with_name(f"{target.name}.tmp{os.getpid()}")  # renamed once whole
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(partial)
     for f in Path(model_dir(None)).iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, target / f.name)
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, partial / f.name)
+    partial.rename(target)
     return str(target)

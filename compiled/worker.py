@@ -66,8 +66,8 @@ class Worker:
             keep_freed_memory()
         gguf_path = config.model if config.model and config.model.endswith(".gguf") else None
         quantization = resolve_quantization(config.quantization, config.dtype, gguf_path, device, size)
-        config = msgspec.structs.replace(config.resolved(device.type == "cuda"), quantization=quantization)
-        self.config = msgspec.structs.replace(config, model=model_dir)
+        resolved = config.resolved(device.type == "cuda")
+        self.config = msgspec.structs.replace(resolved, model=model_dir, quantization=quantization)
         self.runner = ModelRunner(self.config, device, resolve_dtype(config.dtype, device), gguf_path, rank)
 
     @staticmethod

@@ -352,6 +352,59 @@ def test_the_vllm_peer_gets_kilns_model_directory_with_its_architecture_named(tm
     assert f"VLLM_CPU_OMP_THREADS_BIND={cpu};" in cmd[2] and cmd[-3:] == ["/peer/bin/python", "-P", "x.py"]
 
 
+def test_the_w8a8_checkpoint_for_vllm_multiplies_kilns_int8_weights(tiny_chat_model, tmp_path):
+    """transformers on the checkpoint de-quantized (its RMSNorm weights and up rows carrying the 1/s kiln
+    applies to a layer's input) gives the logits of transformers on the weights kiln's w8a8 layers
+    multiply."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    from compiled.loader import load_model
+    from compiled.w8a8 import INT8_ISA, quantize_weight, weight_max
+    from server.bench.models import w8a8_checkpoint
+
+    out = Path(w8a8_checkpoint(tiny_chat_model, "float32", str(tmp_path / "w8a8")))
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert (q["quant_method"], q["format"]) == ("compressed-tensors", "int-quantized")
+    assert q["ignore"] == ["lm_head"]
+    group = q["config_groups"]["group_0"]
+    assert (group["weights"]["strategy"], group["weights"]["dynamic"]) == ("channel", False)
+    assert (group["input_activations"]["strategy"], group["input_activations"]["dynamic"]) == ("token", True)
+    assert (out / "tokenizer.json").exists()
+
+    state = load_file(str(out / "model.safetensors"))
+    assert state["model.layers.0.mlp.down_proj.weight"].dtype == torch.int8
+    dequantized = {
+        name: t.float() * state[f"{name}_scale"] if t.dtype == torch.int8 else t.float()
+        for name, t in state.items()
+        if not name.endswith("_scale")
+    }
+    theirs = LlamaForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32)
+    assert not theirs.load_state_dict(dequantized, strict=False).unexpected_keys
+
+    kiln = load_model(tiny_chat_model, torch.float32, torch.device("cpu"), "w8a8")
+    reference = LlamaForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32)
+    for layer, ours in zip(reference.model.layers, kiln.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        q_rows, kv_rows = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
+        for module, w in zip(
+            (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj),
+            (
+                *ours.attention.wqkv.dequantized().split([q_rows, kv_rows, kv_rows]),
+                *ours.feed_forward.w13.dequantized().chunk(2),
+                ours.feed_forward.w2.dequantized(),
+            ),
+        ):
+            module.weight.data = w
+        fields, scale = quantize_weight(attn.o_proj.weight, weight_max(INT8_ISA))  # o_proj: unsmoothed
+        attn.o_proj.weight.data = fields.float() * scale[:, None]
+    ids = torch.tensor([[1, 17, 4093, 28, 905, 3, 611, 42]])
+    with torch.no_grad():
+        got, want = theirs(ids).logits, reference(ids).logits
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
 def test_compare_vllm_refuses_clearly_without_the_peer_or_a_launched_server(tmp_path, capsys):
     for argv in (
         ["throughput", "--compare", "vllm", "--vllm-python", str(tmp_path / "none")],

@@ -9,14 +9,17 @@ compile) is left out: the clock runs from the first submitted prompt to the last
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from typing import Any
 
 from engine.params import SamplingParams
+from server.bench.models import w8a8_checkpoint
 from server.bench.prompts import dataset_prompts, token_prompts
 
 BASELINES = {
     "vllm": "vLLM (CPU backend)",
+    "vllm_w8a8": "vLLM on kiln's W8A8 weights",
     "transformers_static": "transformers, static batches",
     "transformers_continuous": "transformers, continuous batching",
 }
@@ -200,18 +203,23 @@ def run(
         llm.shutdown()
     if compare == "vllm":
         threads = cfg.num_threads or len(os.sched_getaffinity(0))
-        peer = vllm_cpu.offline(
-            vllm_python, model_dir, ready.dtype, max_model_len, prompts, output_len, threads
-        )
-        out["vllm"] = (
-            peer
-            if "unavailable" in peer
-            else {
+
+        def vllm_on(weights: str) -> dict:
+            peer = vllm_cpu.offline(
+                vllm_python, weights, ready.dtype, max_model_len, prompts, output_len, threads
+            )
+            if "unavailable" in peer:
+                return peer
+            return {
                 **{k: peer[k] for k in ("version", "max_num_seqs", "max_num_batched_tokens")},
                 "threads": threads,
                 **_rates(len(prompts), peer["prompt_tokens"], peer["output_tokens"], peer["elapsed_s"]),
             }
-        )
+
+        out["vllm"] = vllm_on(model_dir)
+        if cfg.quantization == "w8a8":  # and vLLM on the very int8 weights kiln computed with
+            with tempfile.TemporaryDirectory(prefix="kiln-w8a8-") as tmp:
+                out["vllm_w8a8"] = vllm_on(w8a8_checkpoint(model_dir, ready.dtype, tmp))
     elif compare == "transformers":
         hf = load_transformers(model_dir, ready.dtype, ready.device, cfg.num_threads)
         pad_id = pad_id if pad_id is not None else 0
@@ -245,9 +253,10 @@ def format_report(r: dict) -> str:
             rows.append(f"| {label} | unavailable: {reason} | | | | |")
             continue
         ratio = "" if key == "kiln" else f"{kiln['output_tok_s'] / d['output_tok_s']:.2f}x"
-        if key == "vllm":
+        if key.startswith("vllm"):
+            weights = "W8A8, kiln's int8 weights" if key == "vllm_w8a8" else "CPU backend"
             label = (
-                f"vLLM {d['version']} (CPU backend, {d['threads']} threads, "
+                f"vLLM {d['version']} ({weights}, {d['threads']} threads, "
                 f"max_num_seqs {d['max_num_seqs']}, max_num_batched_tokens {d['max_num_batched_tokens']})"
             )
         rows.append(

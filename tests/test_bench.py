@@ -444,6 +444,17 @@ def test_greedy_references_continue_where_an_earlier_one_stopped(tiny_llama):
     assert longer == hf_greedy(load(), prompt, 12)  # a fresh model computes every step anew
 
 
+def test_greedy_references_of_a_padded_batch_are_each_prompt_s_own(tiny_llama):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from server.bench.driver import hf_greedy, hf_greedy_batch
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    prompts = [[5, 9, 13, 2, 7], [3], [11, 4, 4, 8, 1, 6, 2, 9, 30]]
+    assert hf_greedy_batch(model, prompts, 10) == [hf_greedy(model, p, 10) for p in prompts]
+
+
 def test_bench_spec_drafts_and_keeps_the_answers(tiny_chat_model, tmp_path, capsys):
     # suffix: the method with the more moving parts (ngram's drafts are tested in test_spec_decode.py)
     out, spec = tmp_path / "s.json", json.dumps({"method": "suffix", "num_speculative_tokens": 4})

@@ -11,7 +11,7 @@ import pytest
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.llm import LLM
 from engine.params import SamplingParams
-from server.bench.driver import hf_greedy
+from server.bench.driver import hf_greedy_batch
 from tests.conftest import engine_core_children
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
@@ -58,7 +58,7 @@ def prompts(smollm2_dir):
 @pytest.fixture(scope="module")
 def reference(prompts, smollm2_hf):
     """transformers' greedy continuation of exactly 64 tokens for each prompt."""
-    return [hf_greedy(smollm2_hf, p, 64) for p in prompts]
+    return hf_greedy_batch(smollm2_hf, prompts, 64)
 
 
 @pytest.mark.slow

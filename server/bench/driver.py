@@ -195,6 +195,32 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out[:n]
 
 
+def hf_greedy_batch(model, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """`hf_greedy` of several prompts as one batch, each left-padded to the longest under transformers'
+    attention mask and positions, several times faster than one prompt at a time; not kept for later
+    calls."""
+    from transformers import DynamicCache
+
+    longest = max(map(len, prompts))
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    cache, out = DynamicCache(), []
+    with torch.no_grad():
+        while len(out) < n:
+            positions = (mask.cumsum(-1) - 1).clamp_min(0)[:, -ids.shape[1] :]
+            logits = model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+            ).logits
+            ids = logits[:, -1].argmax(-1, keepdim=True)
+            out.append(ids[:, 0].tolist())
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+    return [list(tokens) for tokens in zip(*out)]
+
+
 def greedy_mismatches(
     runner: ModelRunner,
     hf_model,

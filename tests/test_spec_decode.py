@@ -126,11 +126,11 @@ def test_biases_and_bans_are_unchanged_by_drafts(looping_model, reference):
 def test_stop_strings_end_the_text_where_they_would_without_drafts(looping_model):
     with engine(looping_model, None) as llm:
         text = llm.generate(prompts()[0], GREEDY, use_tqdm=False)[0].outputs[0].text
-    stop = SamplingParams(temperature=0.0, max_tokens=40, stop=[text[len(text) // 2 : len(text) // 2 + 3]])
-    outs = []
-    for spec in (None, SPEC):
-        with engine(looping_model, spec) as llm:
-            outs.append(llm.generate(prompts()[0], stop, use_tqdm=False)[0].outputs[0])
+        middle = text[len(text) // 2 : len(text) // 2 + 3]
+        stop = SamplingParams(temperature=0.0, max_tokens=40, stop=[middle])
+        outs = [llm.generate(prompts()[0], stop, use_tqdm=False)[0].outputs[0]]
+    with engine(looping_model, SPEC) as llm:
+        outs.append(llm.generate(prompts()[0], stop, use_tqdm=False)[0].outputs[0])
     assert (outs[0].text, outs[0].finish_reason) == (outs[1].text, outs[1].finish_reason)
     assert outs[1].finish_reason == "stop" and len(outs[1].text) < len(text)
 

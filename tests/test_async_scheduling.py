@@ -26,27 +26,38 @@ def params(k: int, stop: str | None = None) -> SamplingParams:
     )
 
 
+def outputs(llm: LLM, stops: list[str | None], rounds: int = 1) -> list:
+    """Every round's outputs: the same, or the assertion says which round differs."""
+    rounds_texts = []
+    for _ in range(rounds):
+        outs = llm.generate(PROMPTS, [params(k, stop) for k, stop in enumerate(stops)], use_tqdm=False)
+        rounds_texts.append(
+            [[(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outs]
+        )
+    assert all(texts == rounds_texts[0] for texts in rounds_texts), "a later round differs"
+    return rounds_texts[0]
+
+
 def generate(
     model: str, overlap: bool, stops: list[str | None], rounds: int = 1, **engine_args
 ) -> tuple[list, dict]:
-    """Every round's outputs (the same, or the assertion says which round differs) and the stats."""
+    """`outputs` of a fresh engine, and its stats."""
     with LLM(model, async_scheduling=overlap, **ENGINE, **engine_args) as llm:
-        rounds_texts = []
-        for _ in range(rounds):
-            outs = llm.generate(PROMPTS, [params(k, stop) for k, stop in enumerate(stops)], use_tqdm=False)
-            rounds_texts.append(
-                [[(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outs]
-            )
-        assert all(texts == rounds_texts[0] for texts in rounds_texts), "a later round differs"
-        return rounds_texts[0], llm.get_stats()
+        return outputs(llm, stops, rounds), llm.get_stats()
 
 
 def test_overlapped_steps_give_the_same_outputs_under_stop_strings_samples_and_preemption(tiny_chat_model):
-    plain, _ = generate(tiny_chat_model, False, [None] * len(PROMPTS))
-    # A stop string from the middle of some greedy outputs, so that those stop early.
-    stops = [out[0][0][6:9] if k % 3 == 1 and len(out[0][0]) > 12 else None for k, out in enumerate(plain)]
-    assert sum(s is not None for s in stops) >= 2
-    results = {overlap: generate(tiny_chat_model, overlap, stops) for overlap in (False, True)}
+    with LLM(tiny_chat_model, async_scheduling=False, **ENGINE) as llm:
+        plain = outputs(llm, [None] * len(PROMPTS))
+        # A stop string from the middle of some greedy outputs, so that those stop early.
+        stops = [
+            out[0][0][6:9] if k % 3 == 1 and len(out[0][0]) > 12 else None for k, out in enumerate(plain)
+        ]
+        assert sum(s is not None for s in stops) >= 2
+        before = llm.get_stats()["num_preemptions"]
+        texts, stats = outputs(llm, stops), llm.get_stats()
+        results = {False: (texts, {**stats, "num_preemptions": stats["num_preemptions"] - before})}
+    results[True] = generate(tiny_chat_model, True, stops)
     # Two tensor-parallel workers, which answer the steps the core sends ahead in the order sent, empty
     # ones too (sent while a request waits for its pending token): a second round reads no stale answer.
     results["tp"] = generate(tiny_chat_model, True, stops, rounds=2, tensor_parallel_size=2)

@@ -355,7 +355,7 @@ def test_the_vllm_peer_gets_kilns_model_directory_with_its_architecture_named(tm
 def test_the_w8a8_checkpoint_for_vllm_multiplies_kilns_int8_weights(tiny_chat_model, tmp_path):
     """transformers on the checkpoint de-quantized (its RMSNorm weights and up rows carrying the 1/s kiln
     applies to a layer's input) gives the logits of transformers on the weights kiln's w8a8 layers
-    multiply."""
+    multiply, o_proj's aside: the checkpoint's is re-quantized unsmoothed, and the reference takes it so."""
     import torch
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
@@ -381,7 +381,10 @@ def test_the_w8a8_checkpoint_for_vllm_multiplies_kilns_int8_weights(tiny_chat_mo
         if not name.endswith("_scale")
     }
     theirs = LlamaForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32)
-    assert not theirs.load_state_dict(dequantized, strict=False).unexpected_keys
+    loaded = theirs.load_state_dict(dequantized, strict=False)
+    assert not loaded.unexpected_keys and set(loaded.missing_keys) <= {
+        "lm_head.weight"
+    }  # tied to the embedding
 
     kiln = load_model(tiny_chat_model, torch.float32, torch.device("cpu"), "w8a8")
     reference = LlamaForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32)
@@ -403,6 +406,30 @@ def test_the_w8a8_checkpoint_for_vllm_multiplies_kilns_int8_weights(tiny_chat_mo
     with torch.no_grad():
         got, want = theirs(ids).logits, reference(ids).logits
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def test_throughput_on_w8a8_also_runs_vllm_on_kilns_weights(tiny_chat_model, tmp_path, monkeypatch, capsys):
+    """With `--quantization w8a8` the vLLM peer runs twice, on the float weights and on the W8A8 checkpoint;
+    otherwise once. The peer is replaced by one that says what it was given."""
+    from server.bench import vllm_cpu
+
+    def offline(python, weights, dtype, max_model_len, prompts, output_len, threads) -> dict:
+        quantized = "quantization_config" in json.loads((Path(weights) / "config.json").read_text())
+        elapsed = 2.0 if quantized else 4.0
+        tokens = dict(prompt_tokens=1, output_tokens=len(prompts) * output_len, elapsed_s=elapsed)
+        return dict(version="0", max_num_seqs=8, max_num_batched_tokens=64, **tokens)
+
+    monkeypatch.setattr(vllm_cpu, "python", lambda given: "/peer/bin/python")
+    monkeypatch.setattr(vllm_cpu, "offline", offline)
+    for quantization in ("none", "w8a8"):
+        out = tmp_path / f"{quantization}.json"
+        argv = ["throughput", "--model", tiny_chat_model, *TINY_ENGINE, *TINY_LOAD, "--compare", "vllm"]
+        assert main(["bench", *argv, "--quantization", quantization, "--json", str(out)]) == 0
+        r = json.loads(out.read_text())
+        assert r["vllm"]["elapsed_s"] == 4.0
+        assert ("vllm_w8a8" in r) == (quantization == "w8a8")
+    assert r["vllm_w8a8"]["elapsed_s"] == 2.0
+    assert "| vLLM 0 (W8A8, kiln's int8 weights, " in capsys.readouterr().out
 
 
 def test_compare_vllm_refuses_clearly_without_the_peer_or_a_launched_server(tmp_path, capsys):

@@ -89,12 +89,12 @@ COMPRESSED_TENSORS_W8A8 = {
 
 def w8a8_checkpoint(model_dir: str, dtype: str, dest: str) -> str:
     """`model_dir` (a Llama-family safetensors directory) written to `dest` as a compressed-tensors W8A8
-    checkpoint of the int8 weights `--quantization w8a8 --dtype dtype` computes with: each linear of the
-    layers as kiln's fields (int8 `weight`) and per-channel scales (`weight_scale`), the LM head in float.
+    checkpoint of the int8 weights `--quantization w8a8 --dtype dtype` computes with: q/k/v, gate/up and
+    down as kiln's fields (int8 `weight`) and per-channel scales (`weight_scale`), the LM head in float.
     kiln multiplies W * s by x / s (SmoothQuant); the 1/s is folded into the op before each product: the
-    RMSNorm weights before q/k/v and gate/up, the up rows' scales before down. o_proj's input comes out of
-    attention, where grouped query heads share their values, so no per-column factor folds there: its
-    weight is quantized unsmoothed, as kiln quantizes (per channel, same bits)."""
+    RMSNorm weights (kept in float32) before q/k/v and gate/up, the up rows' scales before down. o_proj's
+    input comes out of attention, where grouped query heads share their values, so no per-column factor
+    folds there: its weight is re-quantized unsmoothed (per channel, kiln's bits), where kiln smooths it."""
     import torch
     from safetensors.torch import save_file
 
@@ -124,7 +124,7 @@ def w8a8_checkpoint(model_dir: str, dtype: str, dest: str) -> str:
         state[f"{name}.weight_scale"] = scale.float()[:, None].contiguous()
 
     def fold_norm(name: str, inverse: torch.Tensor) -> None:
-        state[name] = (state[name].float() * inverse).to(state[name].dtype)
+        state[name] = state[name].float() * inverse  # vLLM casts it to the run's dtype
 
     a = model.args
     for i, layer in enumerate(model.layers):

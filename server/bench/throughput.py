@@ -217,9 +217,12 @@ def run(
             }
 
         out["vllm"] = vllm_on(model_dir)
-        if cfg.quantization == "w8a8":  # and vLLM on the very int8 weights kiln computed with
+        if cfg.quantization == "w8a8":  # and vLLM on the int8 weights kiln computed with
             with tempfile.TemporaryDirectory(prefix="kiln-w8a8-") as tmp:
-                out["vllm_w8a8"] = vllm_on(w8a8_checkpoint(model_dir, ready.dtype, tmp))
+                try:
+                    out["vllm_w8a8"] = vllm_on(w8a8_checkpoint(model_dir, ready.dtype, tmp))
+                except ValueError as e:  # a model the checkpoint cannot hold: reported, the runs kept
+                    out["vllm_w8a8"] = {"unavailable": str(e)}
     elif compare == "transformers":
         hf = load_transformers(model_dir, ready.dtype, ready.device, cfg.num_threads)
         pad_id = pad_id if pad_id is not None else 0

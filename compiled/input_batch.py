@@ -247,12 +247,26 @@ class InputBatch:
             slot_mapping=put("slot_mapping", table[rows_a, pos_a // bs] * bs + pos_a % bs),
             decode_block_tables=put("decode_block_tables", table[rows_a[:num_dec], :dec_width]),
             decode_seq_lens=put("decode_seq_lens", seq_lens),
+            decode_pages=put(
+                "decode_pages", decode_pages(seq_lens, dec_width, bs, self.device.type == "cuda")
+            ),
             prefill_block_tables=put("prefill_block_tables", table[chunk_rows, :pre_width]),
             prefill_chunks=put("prefill_chunks", np.array(chunk_spans).reshape(-1, 2)),
         )
         ids = put("token_ids", token_ids)
         positions_t = put("positions", pos_a)
         return StepBatch(ids, positions_t, meta, logits_index, sampled, step_drafts, prompt_rows, pool_rows)
+
+
+def decode_pages(seq_lens: list[int], width: int, block_size: int, every_column: bool) -> np.ndarray:
+    """`AttentionMetadata.decode_pages` of rows attending to `seq_lens` keys through a table `width` wide:
+    each row's own pages, or `every_column` of every row. A lone page is repeated: Dynamo would specialise
+    a size of 1, and the copy's partial results are the same as the original's."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    counts = np.full(len(lens), width) if every_column else -(-lens // block_size)
+    rows = np.repeat(np.arange(len(lens)), counts)
+    pages = rows * width + np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.append(pages, pages[-1]) if len(pages) == 1 else pages
 
 
 def sampling_inputs(

@@ -211,7 +211,7 @@ def input_maxima(model: nn.Module, prompts: list[list[int]], block_size: int = 6
             model(
                 torch.tensor([t for ids in prompts for t in ids], dtype=torch.int64),
                 torch.cat([torch.arange(n) for n in lens]),
-                AttentionMetadata(slots, empty.view(0, 1), empty, tables, chunks),
+                AttentionMetadata(slots, empty.view(0, 1), empty, empty, tables, chunks),
                 StepPlan("prefill", MatmulPlan(), "matmul"),
             )
     finally:

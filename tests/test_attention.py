@@ -6,6 +6,7 @@ import torch
 
 from compiled import attention
 from compiled.attention import (
+    AttentionMetadata,
     Scoring,
     decode_attention_matmul,
     decode_attention_reduction,
@@ -14,6 +15,7 @@ from compiled.attention import (
     write_kv,
 )
 from compiled.attention_cpu import CpuAttention
+from compiled.input_batch import decode_pages
 
 B, H, HKV, D, BS = 3, 6, 2, 32, 16
 
@@ -66,20 +68,37 @@ def test_gathers_read_back_what_write_kv_stored(lanes, monkeypatch):
         assert torch.equal(values[b, :, :n], vs[b].transpose(0, 1))
 
 
+def decode_meta(tables: torch.Tensor, lens: torch.Tensor, every_column: bool) -> AttentionMetadata:
+    pages = decode_pages(lens.tolist(), tables.shape[1], BS, every_column)
+    empty = torch.zeros(0, dtype=torch.int64)
+    return AttentionMetadata(empty, tables, lens, torch.from_numpy(pages), empty.view(0, 2), empty.view(0, 2))
+
+
 @pytest.mark.parametrize("scoring", SCORINGS, ids=["plain", "window-softcap"])
 @pytest.mark.parametrize("lanes", [4, 8, 16])
 def test_decode_attention_matches_a_plain_softmax_whatever_the_slice_width(lanes, scoring, monkeypatch):
+    """The reduction over each row's own pages (CPU) or over every column of the table (CUDA), eager and
+    compiled, and the eager matmuls, against a plain softmax; unwritten slots hold NaN, a row's pages
+    lie out of order, and with a window of 7 a page of the 37-key row is wholly outside it."""
     k_cache, v_cache, tables, lens, ks, vs = paged_sequences(lanes, monkeypatch)
     q = torch.randn(B, H, D)
     expected = reference(q, ks, vs, scoring)
-    eager = decode_attention_matmul(q, k_cache, v_cache, tables, lens, scoring)
+    own, every = decode_meta(tables, lens, False), decode_meta(tables, lens, True)
+    assert own.decode_pages.tolist() == [0, 3, 4, 5, 6] and len(every.decode_pages) == 9
+    eager = decode_attention_matmul(q, k_cache, v_cache, own, scoring)
     torch.testing.assert_close(eager, expected, rtol=1e-5, atol=1e-5)
-    reduction = decode_attention_reduction(q, k_cache, v_cache, tables, lens, scoring)
-    torch.testing.assert_close(reduction, expected, rtol=1e-5, atol=1e-5)
-    compiled = torch.compile(decode_attention_reduction, dynamic=False)(
-        q, k_cache, v_cache, tables, lens, scoring
-    )
-    torch.testing.assert_close(compiled, expected, rtol=1e-5, atol=1e-5)
+    compiled = torch.compile(decode_attention_reduction, dynamic=False)
+    for meta in (own, every):
+        reduction = decode_attention_reduction(q, k_cache, v_cache, meta, scoring)
+        torch.testing.assert_close(reduction, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            compiled(q, k_cache, v_cache, meta, scoring), expected, rtol=1e-5, atol=1e-5
+        )
+
+
+def test_a_lone_page_is_read_twice_not_specialised():
+    assert decode_pages([10], 2, BS, False).tolist() == [0, 0]
+    assert decode_pages([40, 1], 3, BS, False).tolist() == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize(

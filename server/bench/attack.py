@@ -72,7 +72,7 @@ class Good:
                             times.append(time.perf_counter())
                         usage = chunk.get("usage") or usage
                 ok = r.status_code == 200 and usage is not None and usage["completion_tokens"] == 32
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError):  # a stream cut off mid-chunk: a failed request
                 ok = False
             self.done += ok
             self.failed += not ok

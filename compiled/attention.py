@@ -19,10 +19,9 @@ tokens of `P` multi-token chunks (fresh prefills, or chunks continuing after cac
 - Single-query rows, on every device: a gather + reduction formulation when compiled
   (`decode_attention_reduction`): Inductor fuses the indirect loads into the reductions, and each query
   head of a GQA group is its own reduction over the same loads, so a K or V slice is loaded once for the
-  whole group. It runs page by page over a list of the rows' pages (`AttentionMetadata.decode_pages`), so
-  on CPU a row reads its own pages only: with a table as wide as the longest row, one long context made
-  every row of the step pay for its length. Matmuls over gathered K/V eagerly
-  (`decode_attention_matmul`). The step's plan names one.
+  whole group; on CPU page by page over each row's own pages (`AttentionBackend.decode`), where over a
+  table as wide as the longest row one long context would make every row pay for its length. Matmuls
+  over gathered K/V eagerly (`decode_attention_matmul`). The step's plan names one.
 - Multi-token chunks attend with matmuls over their sequence's K/V (context and the chunk itself,
   already written): prefill is compute-bound and matmuls beat any reduction there. One op runs them
   (`prefill_attention_chunks`), eagerly inside the compiled layers; the backend says whether a step's
@@ -72,8 +71,8 @@ class AttentionMetadata(NamedTuple):
     slot_mapping: Tensor  # [T] cache slot each token's K/V is written to
     decode_block_tables: Tensor  # [Bd, Wd] for the first Bd tokens (one query each)
     decode_seq_lens: Tensor  # [Bd] keys each single-query row attends to (its position + 1)
-    # [P] the pages the single-query rows read, row by row, each as row * Wd + its column of the table:
-    # a row's own pages (CPU), or every column (CUDA, where a graph has one shape); P >= 2.
+    # [Np] each single-query row's own pages, row by row, as row * Wd + its column of the table (Np >= 2),
+    # for CPU's decode attention (compiled/attention_cpu.py); empty elsewhere.
     decode_pages: Tensor
     prefill_block_tables: Tensor  # [P, Wp]
     prefill_chunks: Tensor  # [P, 2] first position and query count of each chunk (P >= 2: a lone one
@@ -107,44 +106,47 @@ def gather_values(v_cache: Tensor, block_tables: Tensor) -> Tensor:
     return v_cache[block_tables].permute(0, 2, 1, 4, 3, 5).reshape(B, Hkv, W * bs, n * c)
 
 
+def _decode_setup(q: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, window: int):
+    B, H, D = q.shape
+    W, (Hkv, bs) = block_tables.shape[1], v_cache.shape[1:4:2]
+    pos = torch.arange(W * bs, device=q.device)[None, :]
+    valid = pos < seq_lens[:, None]
+    if window:
+        valid &= pos >= seq_lens[:, None] - window
+    return q.view(B, Hkv, H // Hkv, D), valid.view(B, W, bs)  # the GQA group folded next to its KV head
+
+
 def decode_attention_reduction(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scoring: Scoring
 ) -> Tensor:
     """One query per row, q [B, H, D] -> [B, H, D], as reductions over the pages in place: compiled,
     Inductor fuses the indirect loads into them and never materialises the gathered K/V (eagerly this
-    would build a [P, Hkv, bs, D] product). Each of `meta.decode_pages` is reduced on its own (its
-    scores' maximum, their exponentials' sum and the values they weigh), then each row's pages are
-    combined: a row reads only its own pages, however long the step's longest row."""
+    would build a [B, W, Hkv, bs, D] product). Every row runs over the whole table, as wide as the
+    longest row: one shape a CUDA graph."""
     B, H, D = q.shape
-    tables, seq_lens, pages = meta.decode_block_tables, meta.decode_seq_lens, meta.decode_pages
-    (W, P), (Hkv, bs) = (tables.shape[1], pages.shape[0]), v_cache.shape[1:4:2]
-    G = H // Hkv
+    block_tables = meta.decode_block_tables
     # q in a buffer of its own: Inductor would otherwise inline its producer (RoPE over the projection's
     # transposed output) into the score loop and compute it again for every page.
-    q = inductor_prims.force_stride_order(q, (H * D, D, 1)).view(B, Hkv, G, D)
-    rows, first = pages // W, pages % W * bs
-    pos = first[:, None] + torch.arange(bs, device=q.device)  # [P, bs]
-    keys = seq_lens[rows][:, None]
-    valid = (pos < keys) & (pos >= keys - scoring.window) if scoring.window else pos < keys
-    blocks = tables.reshape(-1)[pages]
-    k = k_cache[blocks].float()  # [P, Hkv, bs/c, D, c]
-    v = torch.where(valid[:, None, None, :, None], v_cache[blocks], 0.0).float()  # unwritten slots: NaN
-    qf = q.float()[rows]  # [P, Hkv, G, D]
-    scores = torch.stack([(qf[:, :, g, None, :, None] * k).sum(3) for g in range(G)], 2)
-    scores = softcapped(scores.view(P, Hkv, G, bs) * scoring.scale, scoring.softcap)
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    # A page wholly outside a window weighs nothing: its maximum is finite, its exponentials zero.
-    top = scores.amax(-1).clamp_min(-1e30)  # [P, Hkv, G]
-    e = (scores - top[..., None]).exp()
-    part = torch.stack([(e[:, :, g, None, :, None] * v).sum(3) for g in range(G)], 2).view(P, Hkv, G, D)
-    # Row b's pages as [B, W] indices into them, P (an empty page) past its last.
-    where = torch.full((B * W,), P, dtype=pages.dtype, device=q.device)
-    where = where.index_put((pages,), torch.arange(P, device=q.device)).view(B, W)
-    top = torch.cat([top, top.new_full((1, Hkv, G), -1e30)])[where]  # [B, W, Hkv, G]
-    weight = (top - top.amax(1, keepdim=True)).exp()
-    total = (torch.cat([e.sum(-1), e.new_zeros(1, Hkv, G)])[where] * weight).sum(1)
-    out = (torch.cat([part, part.new_zeros(1, Hkv, G, D)])[where] * weight[..., None]).sum(1)
-    return (out / total[..., None]).to(q.dtype).reshape(B, H, D)
+    q = inductor_prims.force_stride_order(q, (H * D, D, 1))
+    q, valid = _decode_setup(q, v_cache, block_tables, meta.decode_seq_lens, scoring.window)
+    Hkv, G, bs = q.shape[1], q.shape[2], v_cache.shape[3]
+    W = block_tables.shape[1]
+    k = k_cache[block_tables].float()  # [B, W, Hkv, bs/c, D, c]
+    v = v_cache[block_tables]  # [B, W, Hkv, D/c, bs, c]
+    v = torch.where(valid[:, :, None, None, :, None], v, 0.0).float()  # unwritten slots may hold NaN
+    qf = q.float()
+    scores = torch.stack([(qf[:, None, :, g, None, :, None] * k).sum(4) for g in range(G)], 3)
+    scores = (
+        softcapped(scores * scoring.scale, scoring.softcap)
+        .view(B, W, Hkv, G, bs)
+        .masked_fill(~valid[:, :, None, None, :], float("-inf"))
+    )
+    e = (scores - scores.amax(dim=(1, 4), keepdim=True)).exp()  # [B, W, Hkv, G, bs]
+    out = torch.stack(
+        [(e[:, :, :, g, None, :, None] * v).sum(dim=(1, 4)) for g in range(G)], 2
+    )  # [B, Hkv, G, D/c, c]
+    out = out.view(B, Hkv, G, D) / e.sum(dim=(1, 4))[..., None]
+    return out.to(q.dtype).reshape(B, H, D)
 
 
 def decode_attention_matmul(
@@ -152,12 +154,8 @@ def decode_attention_matmul(
 ) -> Tensor:
     """The same as `decode_attention_reduction`, over gathered K/V with matmuls: the eager formulation."""
     B, H, D = q.shape
-    tables, seq_lens, Hkv = meta.decode_block_tables, meta.decode_seq_lens, k_cache.shape[1]
-    pos = torch.arange(tables.shape[1] * v_cache.shape[3], device=q.device)[None, :]
-    valid = pos < seq_lens[:, None]
-    if scoring.window:
-        valid &= pos >= seq_lens[:, None] - scoring.window
-    q = q.view(B, Hkv, H // Hkv, D)  # the GQA group folded next to its KV head
+    tables = meta.decode_block_tables
+    q, valid = _decode_setup(q, v_cache, tables, meta.decode_seq_lens, scoring.window)
     k = gather_keys(k_cache, tables)  # [B, Hkv, L, D]
     v = gather_values(v_cache, tables).masked_fill_(~valid.view(B, 1, -1, 1), 0.0)  # a fresh copy
     scores = softcapped(
@@ -166,9 +164,6 @@ def decode_attention_matmul(
     scores = scores.masked_fill(~valid.view(B, 1, 1, -1), float("-inf"))
     out = torch.einsum("bhgl,bhld->bhgd", scores.softmax(dim=-1), v.float())
     return out.to(q.dtype).reshape(B, H, D)
-
-
-DECODE_ATTENTION = {"reduction": decode_attention_reduction, "matmul": decode_attention_matmul}
 
 
 def prefill_attention_chunks(
@@ -321,6 +316,7 @@ class AttentionBackend:
     attend. Chosen once at start (`backend_for`) and held by the model's attention layers."""
 
     vector_bytes = 64  # the width of the device's vector loads: the cache's slices are one wide
+    decode = staticmethod(decode_attention_reduction)  # single-query rows, compiled
     tile_fresh_prompts = False  # a step's fresh prompts together, tile by tile (`_fresh_prompts`)
 
     def kv_lanes(self, dtype: torch.dtype, block_size: int, head_dim: int) -> int:
@@ -385,11 +381,13 @@ def paged_attention(
     decode: str = "matmul",
 ) -> Tensor:
     """Attention for a packed step, after its K/V [T, Hkv, D] were written: q [T, H, D] -> [T, H, D];
-    its single-query rows through `DECODE_ATTENTION[decode]`, its chunks through the backend."""
+    its single-query rows through the backend's reduction or (`decode` "matmul") the eager matmuls, its
+    chunks through the backend."""
     Bd = meta.decode_block_tables.shape[0]
     parts = []
     if Bd > 0:
-        parts.append(DECODE_ATTENTION[decode](q[:Bd], k_cache, v_cache, meta, scoring))
+        rows = backend.decode if decode == "reduction" else decode_attention_matmul
+        parts.append(rows(q[:Bd], k_cache, v_cache, meta, scoring))
     if meta.prefill_block_tables.shape[0] > 0:
         parts.append(backend.prefill(q, k, v, k_cache, v_cache, meta, scoring))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

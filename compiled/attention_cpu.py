@@ -1,6 +1,6 @@
-"""CPU attention: the KV cache in memory committed as blocks are first used, and a step's fresh prompts
-tiled together (compiled/attention.py: `_fresh_prompts`) or through SDPA one by one, whichever ran sooner
-on this CPU at start."""
+"""CPU attention: the KV cache in memory committed as blocks are first used, single-query rows over each
+row's own pages, and a step's fresh prompts tiled together (compiled/attention.py: `_fresh_prompts`) or
+through SDPA one by one, whichever ran sooner on this CPU at start."""
 
 from __future__ import annotations
 
@@ -12,17 +12,64 @@ import time
 
 import torch
 from torch import Tensor
+from torch._inductor import inductor_prims
 
-from compiled.attention import AttentionBackend, prefill_attention_chunks, write_kv
+from compiled.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    Scoring,
+    prefill_attention_chunks,
+    softcapped,
+    write_kv,
+)
 
 # The fresh prompts a start-up timing runs: a prefill step's worth of the lengths a chat server meets.
 TIMED_PROMPTS = (384, 320, 256, 256, 192, 128)
 _timings: dict[tuple, tuple[float, float]] = {}  # (heads, kv_heads, head_dim, dtype) -> seconds: timed once
 
 
+def decode_attention_pages(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scoring: Scoring
+) -> Tensor:
+    """`decode_attention_reduction` page by page over each row's own pages (`meta.decode_pages`): each
+    page's scores' maximum, their exponentials' sum and the values they weigh, then each row's pages
+    combined. A row reads only its own pages, however long the step's longest row."""
+    B, H, D = q.shape
+    tables, seq_lens, pages = meta.decode_block_tables, meta.decode_seq_lens, meta.decode_pages
+    (W, P), (Hkv, bs) = (tables.shape[1], pages.shape[0]), v_cache.shape[1:4:2]
+    G = H // Hkv
+    # q in a buffer of its own: Inductor would otherwise inline its producer (RoPE over the projection's
+    # transposed output) into the score loop and compute it again for every page.
+    q = inductor_prims.force_stride_order(q, (H * D, D, 1)).view(B, Hkv, G, D)
+    rows, first = pages // W, pages % W * bs
+    pos = first[:, None] + torch.arange(bs, device=q.device)  # [P, bs]
+    keys = seq_lens[rows][:, None]
+    valid = (pos < keys) & (pos >= keys - scoring.window) if scoring.window else pos < keys
+    blocks = tables.reshape(-1)[pages]
+    k = k_cache[blocks].float()  # [P, Hkv, bs/c, D, c]
+    v = torch.where(valid[:, None, None, :, None], v_cache[blocks], 0.0).float()  # unwritten slots: NaN
+    qf = q.float()[rows]  # [P, Hkv, G, D]
+    scores = torch.stack([(qf[:, :, g, None, :, None] * k).sum(3) for g in range(G)], 2)
+    scores = softcapped(scores.view(P, Hkv, G, bs) * scoring.scale, scoring.softcap)
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    # A page wholly outside a window weighs nothing: its maximum is finite, its exponentials zero.
+    top = scores.amax(-1).clamp_min(-1e30)  # [P, Hkv, G]
+    e = (scores - top[..., None]).exp()
+    part = torch.stack([(e[:, :, g, None, :, None] * v).sum(3) for g in range(G)], 2).view(P, Hkv, G, D)
+    # Row b's pages as [B, W] indices into them after an empty page 0, which fills each row past its last.
+    where = torch.zeros(B * W, dtype=pages.dtype, device=q.device)
+    where = where.index_put((pages,), torch.arange(1, P + 1, device=q.device)).view(B, W)
+    top = torch.cat([top.new_full((1, Hkv, G), -1e30), top])[where]  # [B, W, Hkv, G]
+    weight = (top - top.amax(1, keepdim=True)).exp()
+    total = (torch.cat([e.new_zeros(1, Hkv, G), e.sum(-1)])[where] * weight).sum(1)
+    out = (torch.cat([part.new_zeros(1, Hkv, G, D), part])[where] * weight[..., None]).sum(1)
+    return (out / total[..., None]).to(q.dtype).reshape(B, H, D)
+
+
 class CpuAttention(AttentionBackend):
     # Inductor's CPU kernels use 32-byte vectors on AVX2 and 64-byte ones on AVX-512.
     vector_bytes = 64 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 32
+    decode = staticmethod(decode_attention_pages)
     # Batched tile by tile, fresh prompts beat SDPA called prompt by prompt on AVX-512 without AMX (see
     # `_fresh_prompts`); SDPA's flash kernel won by far on AMX. `choose_paths` times both.
     tile_fresh_prompts = True

@@ -163,8 +163,9 @@ class InputBatch:
         return next(b for b in self.buckets if b >= num_singles) if num_singles else 0
 
     def decode_width(self, max_seq_len: int) -> int:
-        """Block-table columns decode attention runs over, every one computed: exact on CPU, where the width
-        is a dynamic size; a power of two on CUDA (or the whole table), where each width is a CUDA graph."""
+        """Block-table columns of a step's single-query rows: exact on CPU, where the width is a dynamic size
+        (and each row reads its own pages); a power of two on CUDA (or the whole table), where each width is
+        a CUDA graph and every column is computed."""
         width = max(cdiv(max_seq_len, self.block_size), 2)
         return _pow2(width, self.table_width) if self.device.type == "cuda" else width
 
@@ -241,15 +242,13 @@ class InputBatch:
             chunk_rows.append(self.null_row)
             chunk_spans.append((0, 0))
 
-        rows_a, pos_a = np.array(rows), np.array(positions)
+        rows_a, pos_a, on_cpu = np.array(rows), np.array(positions), self.device.type == "cpu"
         table, put = self.block_table.numpy(), self.inputs.put
         meta = AttentionMetadata(
             slot_mapping=put("slot_mapping", table[rows_a, pos_a // bs] * bs + pos_a % bs),
             decode_block_tables=put("decode_block_tables", table[rows_a[:num_dec], :dec_width]),
             decode_seq_lens=put("decode_seq_lens", seq_lens),
-            decode_pages=put(
-                "decode_pages", decode_pages(seq_lens, dec_width, bs, self.device.type == "cuda")
-            ),
+            decode_pages=put("decode_pages", decode_pages(seq_lens, dec_width, bs) if on_cpu else []),
             prefill_block_tables=put("prefill_block_tables", table[chunk_rows, :pre_width]),
             prefill_chunks=put("prefill_chunks", np.array(chunk_spans).reshape(-1, 2)),
         )
@@ -258,12 +257,11 @@ class InputBatch:
         return StepBatch(ids, positions_t, meta, logits_index, sampled, step_drafts, prompt_rows, pool_rows)
 
 
-def decode_pages(seq_lens: list[int], width: int, block_size: int, every_column: bool) -> np.ndarray:
-    """`AttentionMetadata.decode_pages` of rows attending to `seq_lens` keys through a table `width` wide:
-    each row's own pages, or `every_column` of every row. A lone page is repeated: Dynamo would specialise
-    a size of 1, and the copy's partial results are the same as the original's."""
+def decode_pages(seq_lens: list[int], width: int, block_size: int) -> np.ndarray:
+    """`AttentionMetadata.decode_pages` of rows attending to `seq_lens` keys through a table `width` wide.
+    A lone page is repeated: Dynamo would specialise a size of 1, and the copy's results are the same."""
     lens = np.asarray(seq_lens, dtype=np.int64)
-    counts = np.full(len(lens), width) if every_column else -(-lens // block_size)
+    counts = -(-lens // block_size)
     rows = np.repeat(np.arange(len(lens)), counts)
     pages = rows * width + np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
     return np.append(pages, pages[-1]) if len(pages) == 1 else pages

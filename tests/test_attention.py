@@ -1,3 +1,4 @@
+import functools
 import os
 import time
 
@@ -14,7 +15,7 @@ from compiled.attention import (
     gather_values,
     write_kv,
 )
-from compiled.attention_cpu import CpuAttention
+from compiled.attention_cpu import CpuAttention, decode_attention_pages
 from compiled.input_batch import decode_pages
 
 B, H, HKV, D, BS = 3, 6, 2, 32, 16
@@ -68,37 +69,42 @@ def test_gathers_read_back_what_write_kv_stored(lanes, monkeypatch):
         assert torch.equal(values[b, :, :n], vs[b].transpose(0, 1))
 
 
-def decode_meta(tables: torch.Tensor, lens: torch.Tensor, every_column: bool) -> AttentionMetadata:
-    pages = decode_pages(lens.tolist(), tables.shape[1], BS, every_column)
+def decode_meta(
+    tables: torch.Tensor, lens: torch.Tensor, pages: list[int] | None = None
+) -> AttentionMetadata:
+    """The single-query rows' metadata, each row's own pages unless `pages` lists others."""
+    listed = decode_pages(lens.tolist(), tables.shape[1], BS) if pages is None else pages
     empty = torch.zeros(0, dtype=torch.int64)
-    return AttentionMetadata(empty, tables, lens, torch.from_numpy(pages), empty.view(0, 2), empty.view(0, 2))
+    return AttentionMetadata(empty, tables, lens, torch.tensor(listed), empty.view(0, 2), empty.view(0, 2))
 
 
 @pytest.mark.parametrize("scoring", SCORINGS, ids=["plain", "window-softcap"])
 @pytest.mark.parametrize("lanes", [4, 8, 16])
 def test_decode_attention_matches_a_plain_softmax_whatever_the_slice_width(lanes, scoring, monkeypatch):
-    """The reduction over each row's own pages (CPU) or over every column of the table (CUDA), eager and
-    compiled, and the eager matmuls, against a plain softmax; unwritten slots hold NaN, a row's pages
-    lie out of order, and with a window of 7 a page of the 37-key row is wholly outside it."""
+    """The reduction over the whole table (CUDA's), the one over each row's own pages (CPU's) and the
+    eager matmuls, eager and compiled, against a plain softmax; unwritten slots hold NaN and a row's pages
+    lie out of order. The pages are also given as every column of the table, so that some are wholly
+    masked: past a row's keys, and with a window of 7 before it. The CPU's reduction compiles with dynamic
+    shapes, as the engine's layers do, and runs at another page count without recompiling."""
     k_cache, v_cache, tables, lens, ks, vs = paged_sequences(lanes, monkeypatch)
     q = torch.randn(B, H, D)
     expected = reference(q, ks, vs, scoring)
-    own, every = decode_meta(tables, lens, False), decode_meta(tables, lens, True)
-    assert own.decode_pages.tolist() == [0, 3, 4, 5, 6] and len(every.decode_pages) == 9
-    eager = decode_attention_matmul(q, k_cache, v_cache, own, scoring)
-    torch.testing.assert_close(eager, expected, rtol=1e-5, atol=1e-5)
-    compiled = torch.compile(decode_attention_reduction, dynamic=False)
+    own, every = decode_meta(tables, lens), decode_meta(tables, lens, list(range(tables.numel())))
+    assert own.decode_pages.tolist() == [0, 3, 4, 5, 6]
+    close = functools.partial(torch.testing.assert_close, expected=expected, rtol=1e-5, atol=1e-5)
+    close(decode_attention_matmul(q, k_cache, v_cache, own, scoring))
+    close(decode_attention_reduction(q, k_cache, v_cache, own, scoring))
+    close(torch.compile(decode_attention_reduction, dynamic=False)(q, k_cache, v_cache, own, scoring))
+    pages = torch.compile(decode_attention_pages, dynamic=True)
     for meta in (own, every):
-        reduction = decode_attention_reduction(q, k_cache, v_cache, meta, scoring)
-        torch.testing.assert_close(reduction, expected, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(
-            compiled(q, k_cache, v_cache, meta, scoring), expected, rtol=1e-5, atol=1e-5
-        )
+        close(decode_attention_pages(q, k_cache, v_cache, meta, scoring))
+        with torch._dynamo.config.patch(error_on_recompile=meta is every):
+            close(pages(q, k_cache, v_cache, meta, scoring))
 
 
 def test_a_lone_page_is_read_twice_not_specialised():
-    assert decode_pages([10], 2, BS, False).tolist() == [0, 0]
-    assert decode_pages([40, 1], 3, BS, False).tolist() == [0, 1, 2, 3]
+    assert decode_pages([10], 2, BS).tolist() == [0, 0]
+    assert decode_pages([40, 1], 3, BS).tolist() == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize(

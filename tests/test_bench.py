@@ -477,9 +477,16 @@ def test_greedy_references_of_a_padded_batch_are_each_prompt_s_own(tiny_llama):
 
     from server.bench.driver import hf_greedy, hf_greedy_batch
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    def load():
+        return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
     prompts = [[5, 9, 13, 2, 7], [3], [11, 4, 4, 8, 1, 6, 2, 9, 30]]
-    assert hf_greedy_batch(model, prompts, 10) == [hf_greedy(model, p, 10) for p in prompts]
+    one_by_one = load()  # each model keeps its own runs
+    batched = hf_greedy_batch(load(), prompts, 10)
+    assert batched == [hf_greedy(one_by_one, p, 10) for p in prompts]
+    model = load()
+    assert hf_greedy_batch(model, prompts, 4) == [tokens[:4] for tokens in batched]
+    assert hf_greedy(model, prompts[0], 12)[:10] == batched[0]  # a batch's tokens are continued anew
 
 
 def test_bench_spec_drafts_and_keeps_the_answers(tiny_chat_model, tmp_path, capsys):

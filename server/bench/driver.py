@@ -181,11 +181,11 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     from transformers import DynamicCache
 
     runs = _greedy_runs.setdefault(model, {})
-    out, cache, ids = runs.get(tuple(prompt)) or (
-        [],
-        DynamicCache(),
-        torch.tensor([prompt], device=model.device),
-    )
+    out, cache, ids = runs.get(tuple(prompt)) or ([], None, None)
+    if len(out) >= n:
+        return out[:n]
+    if cache is None:  # none yet, or a batch's tokens (`hf_greedy_batch`), which cannot be continued
+        out, cache, ids = [], DynamicCache(), torch.tensor([prompt], device=model.device)
     with torch.no_grad():
         while len(out) < n:
             logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
@@ -197,8 +197,19 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 def hf_greedy_batch(model, prompts: list[list[int]], n: int) -> list[list[int]]:
     """`hf_greedy` of several prompts as one batch, each left-padded to the longest under transformers'
-    attention mask and positions, several times faster than one prompt at a time; not kept for later
-    calls."""
+    attention mask and positions, several times faster than one prompt at a time; prompts already run
+    that far are not run again, and the others' tokens are kept for later calls."""
+
+    runs = _greedy_runs.setdefault(model, {})
+    todo = [p for p in prompts if len(runs.get(tuple(p), ([],))[0]) < n]
+    if todo:
+        for p, tokens in zip(todo, _greedy_batch(model, todo, n)):
+            runs[tuple(p)] = tokens, None, None
+    return [runs[tuple(p)][0][:n] for p in prompts]
+
+
+def _greedy_batch(model, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Left-padded prompts' greedy tokens, computed together."""
     from transformers import DynamicCache
 
     longest = max(map(len, prompts))

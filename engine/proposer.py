@@ -7,6 +7,7 @@ draft changes how fast tokens come, never which tokens come.
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from dataclasses import dataclass, field, replace
 
@@ -83,8 +84,17 @@ class Proposer:
         self.config, self.k = config, config.num_speculative_tokens
         self.stats = SpecDecodingStats()
 
-    def propose(self, req: Request, room: int) -> list[int]:
-        """Drafted tokens to follow the request's: at most `room`, none while the request pauses."""
+    def propose(self, req: Request, room: int, max_len: int = sys.maxsize) -> list[int]:
+        """Drafted tokens to follow the request's: at most `room`, never more than could be emitted before
+        its max_tokens or `max_len`; none where a grammar would have to vet them, while a token of it is
+        still in flight, or while the request pauses."""
+        if req.grammar is not None or req.num_output_placeholders:
+            return []
+        room = min(room, self.k, max_len - req.num_tokens - 1)
+        if req.sampling_params.max_tokens is not None:  # the token sampled after the accepted drafts counts
+            room = min(room, req.sampling_params.max_tokens - req.num_output_tokens - 1)
+        if room <= 0:
+            return []
         if req.drafter is None:
             req.drafter = Drafter(self.new_index())
         d = req.drafter
@@ -92,7 +102,7 @@ class Proposer:
         if d.pause:
             d.pause -= 1
             return []
-        return self.draft(req, min(room, self.k))
+        return self.draft(req, room)
 
     def verified(self, req: Request, drafted: int, accepted: int) -> None:
         """Count a verification of `drafted` tokens of which the first `accepted` were kept."""

@@ -8,20 +8,20 @@ receives the value the step starts from. So a request is still prefilling after 
 ``num_computed_tokens < num_tokens``; it gets a sampled token in ``update_from_output()`` otherwise.
 
 With ``async_scheduling``, step N+1 is scheduled before step N's tokens are back: a sampling step leaves an
-output placeholder, whose position the next step computes all the same (the runner appends what it samples to
-its own tokens). A request that may stop on the pending token, or whose grammar must see it, waits for it.
-With pipeline stages every request waits for its token (the last stage samples it, the next step sends it
-to all), and each of the steps in flight takes a share of the sampling requests.
+output placeholder, whose position the next step computes all the same (the runner appends what it samples).
+A request that may stop on the pending token, or whose grammar must see it, waits for it. With pipeline
+stages every request waits for its token (the last stage samples it, the next step sends it to all), and
+each of the steps in flight takes a share of the sampling requests.
 
 Preemption is by recompute: the last running request in the policy's order (fcfs: the most recently
 admitted; priority: the lowest priority) gives up its blocks, keeps its tokens (prompt and outputs) and
 goes back to the waiting queue, at its front (fcfs) or at its own priority and arrival.
 
-Fairness among requests: sample i waits behind every other request's sample i - 1 (request_queue.py), the
-last quarter of the seats is kept for first samples, bulk work (a prompt's chunk, a further sample's
-decode) leaves room for the leads' decodes after it and up to half the step to waiting first samples,
-and where several requests' streams share a measured step a further sample's decode is priced by its
-context (step_budget.py): many samples over a long prompt cannot stretch everyone's steps.
+Fairness: sample i waits behind every other request's sample i - 1 (request_queue.py), the last quarter of
+the seats is kept for first samples, a chunk or a further sample's decode leaves room for the leads' decodes
+after it and up to half the step to waiting first samples; where several requests' streams share a measured
+step, bulk work stretches it less than prompts do, and a fresh prompt longer than a step waits while the
+step has no bulk room left, others going past it (step_budget.py).
 
 Speculative decoding: a decoding request also computes the tokens its proposer drafts (engine/proposer.py),
 within the budget; once verified, ``num_computed_tokens`` steps back over the rejected ones, whose slots
@@ -113,11 +113,9 @@ class Scheduler:
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
         assert status.finished, status
-        done: list[Request] = []
-        queued: list[Request] = []
+        done, queued = [], []  # the finished, and those of them still in the waiting queue
         for rid in request_ids:
-            # Unknown or finished already: idempotent.
-            if (req := self.requests.get(rid)) is None or req.status.finished:
+            if (req := self.requests.get(rid)) is None or req.status.finished:  # unknown or ended: idempotent
                 continue
             if req.status != RequestStatus.RUNNING:
                 queued.append(req)
@@ -161,46 +159,54 @@ class Scheduler:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def stats(self) -> SchedulerStats:
-        kv = self.kv_cache_manager
-        lookups = (kv.prefix_cache_queries, kv.prefix_cache_hits)
-        spec = None if self.proposer is None else self.proposer.stats.copy()
-        return SchedulerStats(
-            len(self.running), self.num_waiting, kv.usage, *lookups, self.num_preemptions, spec
-        )
+        kv, spec = self.kv_cache_manager, None if self.proposer is None else self.proposer.stats.copy()
+        counts = (kv.usage, kv.prefix_cache_queries, kv.prefix_cache_hits, self.num_preemptions, spec)
+        return SchedulerStats(len(self.running), self.num_waiting, *counts)
 
     # ---- one step ------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         cfg, kv, running = self.config, self.kv_cache_manager, self.running
-        # Each client request's first running sample leads; its other samples are bulk work, priced by
-        # their decode's cost where other requests' streams share the step (engine/step_budget.py).
+        # Each client request's first running sample leads; its others are bulk work (engine/step_budget.py).
         leads = {r.parent_id: r for r in reversed(running)}
-        budget, price = step_tokens(self.config, running, leads, self.waiting.num_first, self.step_budget)
+        budget, price, bulk = step_tokens(cfg, running, leads, self.waiting.num_first, self.step_budget)
         # long_prefill_token_threshold caps a prefill's chunk (with chunked prefill only; 0: no cap).
         cap = (cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0) or sys.maxsize
+        whole = min(cfg.max_num_batched_tokens, cap)  # a prompt longer than this takes several steps
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
         preempted = False
-        # While requests wait for a first token, a running prompt's chunk leaves them up to half the step: a
-        # short prompt is not held behind a long one already started.
+        # While first samples wait, a running prompt's chunk leaves them up to half the step.
         held = min(budget // 2, self.waiting.first_tokens) if self._admitting() else 0
-
+        # Further samples and a prompt longer than a step, both at once, get half the bulk room each.
+        lengthy = self.waiting.first_tokens > whole or any(
+            r.num_prompt_tokens - r.num_computed_tokens > whole for r in leads.values()
+        )
+        halves = lengthy and len(leads) < len(running)
+        samples_bulk = most = bulk - bulk // 2 if halves else bulk  # most: a sample's price, so one runs
+        bulk = bulk // 2 if halves else bulk
         seats = -(-len(running) // cfg.pipeline_parallel_size)  # the steps in flight share the sampling
-        # Bulk work (a chunk, a further sample's decode) leaves room for the leads' decodes still to come.
+        # A chunk or a further sample's decode leaves room for the leads' decodes still to come.
         rows = sum(r.num_known_tokens - r.num_computed_tokens == 1 for r in leads.values())
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             left, lead = req.num_known_tokens - req.num_computed_tokens, leads[req.parent_id] is req
             rows -= left == 1 and lead
+            further = left == 1 and not lead
             room = budget if left == 1 and lead else budget - held - rows
+            # Bulk work: a further sample's decode, or the chunk of a fresh prompt longer than a step.
+            bulky = further or (left > whole and not req.num_output_tokens)
+            room = min(room, samples_bulk if further else bulk) if bulky else room
             n = min(left, room, cap)
-            cost = n if price is None or left > 1 or lead else price(req.num_tokens)
+            cost = n if price is None or not further else min(price(req.num_tokens), most)
             if n <= 0 or cost > room or self._awaits_output(req) or (n == left and not seats):
                 i += 1  # no room, its sampled token still to come, or no seat for its sample
                 continue
             seats -= n == left
-            drafts = self._drafts(req, budget - cost) if left == 1 else []  # decoding: its next token drafted
+            drafts = []  # a decoding request's next tokens, drafted
+            if self.proposer is not None and left == 1:
+                drafts = self.proposer.propose(req, (room if further else budget) - cost, self.max_len)
             n += len(drafts)
             while (new_blocks := kv.allocate_slots(req, n)) is None:
                 victim = running.pop()  # last in the policy's order; never one already scheduled (index < i)
@@ -220,6 +226,8 @@ class Scheduler:
                 out.spec_tokens[req.request_id] = drafts
             self._advance(req, n, out)
             budget -= cost + len(drafts)
+            samples_bulk -= cost + len(drafts) if further else 0
+            bulk -= cost if bulky and not further else 0
             i += 1
 
         # Admitting after a preemption would only take blocks the preempted requests need back.
@@ -238,6 +246,10 @@ class Scheduler:
                 continue
             if req.num_steps_in_flight:  # preempted with a step in flight: resumed once it is back
                 break
+            long = req.num_tokens > whole and not req.num_output_tokens  # a fresh prompt longer than a step
+            if long and bulk <= 0:  # bulk work with no room left: the others go first
+                skipped.append(waiting.pop())
+                continue
             computed_blocks, num_hit = kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, cap)
             if n > budget:
@@ -246,6 +258,9 @@ class Scheduler:
                 if not cfg.enable_chunked_prefill and n <= cfg.max_num_batched_tokens:
                     break
                 n = budget
+            if long and req.num_tokens - num_hit > whole:
+                n = min(n, bulk)
+                bulk -= n
             if kv.allocate_slots(req, n, computed_blocks, num_hit) is None:
                 break
             waiting.pop_into(running)
@@ -258,7 +273,10 @@ class Scheduler:
 
         waiting.prepend_all(skipped)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
-        self._grammar_bitmasks(out)
+        if constrained := [
+            r for r in map(self.requests.get, out.num_scheduled_tokens) if r.grammar is not None
+        ]:
+            out.grammar_bitmasks = self.structured.step_bitmasks(constrained)
         return out
 
     def _admitting(self) -> bool:
@@ -274,17 +292,6 @@ class Scheduler:
         if overlapped and req.num_computed_tokens == req.num_known_tokens:
             req.num_output_placeholders += self.proposer is None or req.grammar is not None
 
-    def _drafts(self, req: Request, budget: int) -> list[int]:
-        """Drafts for a decoding request to verify: none where a grammar would have to vet them or a token
-        is still in flight, never more than could be emitted before max_tokens or the length limit."""
-        if self.proposer is None or req.grammar is not None or req.num_output_placeholders:
-            return []
-        sp = req.sampling_params
-        room = min(budget, self.max_len - req.num_tokens - 1)
-        if sp.max_tokens is not None:  # the token sampled after the accepted drafts counts too
-            room = min(room, sp.max_tokens - req.num_output_tokens - 1)
-        return self.proposer.propose(req, room) if room > 0 else []
-
     def _awaits_output(self, req: Request) -> bool:
         """Whether a request with tokens in flight must see them before it computes more (always, across
         pipeline stages: the last samples, the first needs the token)."""
@@ -294,14 +301,6 @@ class Scheduler:
         past_max = sp.max_tokens is not None and known - req.num_prompt_tokens >= sp.max_tokens
         pipelined = self.config.pipeline_parallel_size > 1
         return pipelined or req.grammar is not None or known >= self.max_len or past_max
-
-    def _grammar_bitmasks(self, out: SchedulerOutput) -> None:
-        """The token masks of the constrained requests that sample this step (their chunk ends the prompt)."""
-        scheduled = [self.requests[rid] for rid in out.num_scheduled_tokens]
-        sampling = [r for r in scheduled if r.grammar is not None and r.num_computed_tokens >= r.num_tokens]
-        if sampling:
-            masks = self.structured.bitmask([r.grammar for r in sampling])
-            out.grammar_bitmasks = {r.request_id: row for r, row in zip(sampling, masks)}
 
     def _fail(self, req: Request, why: str) -> None:
         """Finish a waiting request (already out of the queue) that cannot run; reported by take_failed()."""
@@ -323,7 +322,7 @@ class Scheduler:
         out.finished_req_ids.add(req.request_id)  # the runner drops it; it comes back as a new request
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+        self, so: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop rules, free finished requests; one output per request
         that got tokens or finished. (``num_computed_tokens`` already advanced in schedule().)"""
@@ -331,7 +330,7 @@ class Scheduler:
         finished: list[Request] = []
         queued: list[Request] = []  # of the finished: preempted while their step ran (overlapped scheduling)
         all_logprobs = runner_output.logprobs
-        for req in filter(None, map(self.requests.get, scheduler_output.num_scheduled_tokens)):
+        for req in filter(None, map(self.requests.get, so.num_scheduled_tokens)):
             req.num_steps_in_flight = max(req.num_steps_in_flight - 1, 0)  # 0: an id used again meanwhile
         for rid, (start, entries) in runner_output.prompt_logprobs.items():
             if (req := self.requests.get(rid)) is not None and req.prompt_logprobs is not None:
@@ -343,7 +342,7 @@ class Scheduler:
                 continue
             first = req.num_output_tokens == 0
             req.num_output_placeholders = max(req.num_output_placeholders - len(token_ids), 0)
-            if (drafts := scheduler_output.spec_tokens.get(rid)) is not None:
+            if (drafts := so.spec_tokens.get(rid)) is not None:
                 if req.status == RequestStatus.RUNNING:  # else preempted meanwhile: nothing computed is kept
                     req.num_computed_tokens -= len(drafts) + 1 - len(token_ids)  # rejected drafts' KV
                 self.proposer.verified(req, len(drafts), len(token_ids) - 1)
@@ -361,12 +360,9 @@ class Scheduler:
                     token_ids = token_ids[: k + 1]
                     break
             logprobs = all_logprobs[i] if all_logprobs is not None else None
-            if logprobs is not None:
-                logprobs = logprobs[: len(token_ids)]
             spec = None  # the request's drafted and accepted tokens, reported as it ends
-            if status is not None and req.num_draft_tokens:
-                spec = (req.num_draft_tokens, req.num_accepted_tokens)
             if status is not None:
+                spec = (req.num_draft_tokens, req.num_accepted_tokens) if req.num_draft_tokens else None
                 if req.status == RequestStatus.PREEMPTED:
                     queued.append(req)
                 req.status = status
@@ -377,7 +373,7 @@ class Scheduler:
                     list(token_ids),
                     finish_reason=status.finish_reason if status is not None else None,
                     stop_reason=req.stop_reason,
-                    new_logprobs=logprobs,
+                    new_logprobs=None if logprobs is None else logprobs[: len(token_ids)],
                     num_cached_tokens=self._cached(req, first),
                     prompt_logprobs=req.prompt_logprobs if first else None,
                     spec_decoding=spec,

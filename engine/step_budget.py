@@ -9,17 +9,21 @@ room for chunks grows with the ratio of waiting to running requests. However the
 steps, the running streams pay for the same prompt compute in all; larger steps only gather it into
 fewer pauses, and let the waiting prompts in sooner.
 
-A request's further samples (n > 1) are bulk work beside other clients' streams, as a prompt is: the
-scheduler prices each of their decodes in chunk tokens of the same cost (`price`), which grows with the
-context its attention reads, so that one request's many samples over a long prompt cannot stretch every
-step for all the others.
+Beside other clients' streams, bulk work stretches their step by BULK_STRETCH (or to the decoding floor's
+tokens) at most, waiting prompts or not: the chunks of a fresh prompt longer than a step may take
+(max_num_batched_tokens, or long_prefill_token_threshold where lower), which goes in at that pace while
+shorter ones go past it, and a request's further samples (n > 1), each of whose decodes the scheduler
+prices in chunk tokens of the same cost (`price`), which grows with the context its attention reads. So
+one request's many samples, or a prompt too long for one step, cannot stretch every step for all the
+others; and while such a prompt waits, further samples leave it half of the bulk room.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -95,15 +99,16 @@ class StepBudget:
         work were seen."""
         return self.fit
 
-    def tokens(self, running: int, context: int = 0, waiting: int = 0) -> int:
+    def tokens(self, running: int, context: int = 0, waiting: int = 0, stretch: float | None = None) -> int:
         """Tokens of a step that carries `running` streams' decodes over `context` tokens in all while
-        `waiting` requests wait."""
+        `waiting` requests wait, stretched by `stretch` (default: the budget's)."""
         low = max(self.floor, running)
         fixed, per_row, per_context, per_token = self.costs() or (0.0, 0.0, 0.0, 0.0)
         decode_step = fixed + per_row * running + per_context * context
         if per_token <= 0 or decode_step <= 0:  # no fit yet, or one that prices nothing
             return min(low, self.cap)
-        room = (self.stretch - 1.0) * (1.0 + waiting / max(running, 1)) * decode_step / per_token
+        stretch = self.stretch if stretch is None else stretch
+        room = (stretch - 1.0) * (1.0 + waiting / max(running, 1)) * decode_step / per_token
         return int(min(self.cap, max(low, running + room)))
 
     def price(self, context: int) -> int:
@@ -114,31 +119,50 @@ class StepBudget:
         return max(1, round((per_row + per_context * context) / per_token))
 
 
+# How far bulk work may stretch the running streams' step: the inter-token latency it may cost them.
+BULK_STRETCH = 1.5
+
+
+class StepRoom(NamedTuple):
+    """A step's token budget; the price in its tokens of a further sample's decode at a context length
+    (None: one token); and the tokens bulk work may take in all (unbounded where nothing is measured, a
+    lone request's samples share the step, or nothing decodes)."""
+
+    budget: int
+    price: Callable[[int], int] | None = None
+    bulk: int = sys.maxsize
+
+
 def step_tokens(
     cfg: SchedulerConfig,
     running: list[Request],
     leads: dict[str, Request],
     first_waiting: int,
     measured: StepBudget | None,
-) -> tuple[int, Callable[[int], int] | None]:
-    """A step's token budget, and the price in its tokens of a further sample's decode at a context length
-    (None: one token). A step that carries decodes has the decoding budget, measured or fixed, with room
-    for every running request's decode at least, or, where other requests' streams share the step or wait
-    for it, for each request's lead (its first running sample; `leads` by request)."""
-    if not cfg.max_num_batched_tokens_decoding or not any(
-        r.num_computed_tokens >= r.num_prompt_tokens and r.num_output_tokens >= cfg.settling_tokens
-        for r in running
-    ):
-        return cfg.max_num_batched_tokens, None
-    if measured is None:
-        return min(cfg.max_num_batched_tokens, max(cfg.max_num_batched_tokens_decoding, len(running))), None
-    budget = measured.tokens(len(leads), sum(r.num_tokens for r in leads.values()), first_waiting)
-    if len(leads) == 1 and not first_waiting:
-        return min(cfg.max_num_batched_tokens, max(budget, len(running))), None
-    budget = min(cfg.max_num_batched_tokens, max(budget, len(leads)))
-    most = max(1, budget - len(leads))  # a fit that prices chunk tokens near nothing stops no sample outright
-
-    def price(context: int) -> int:
-        return min(measured.price(context), most)
-
-    return budget, price
+) -> StepRoom:
+    """A step that carries decodes has the decoding budget, measured or fixed, with room for every running
+    request's decode at least, or, where other requests' streams share the step or wait for it, for each
+    request's lead (its first running sample; `leads` by request). A measured step stretches as far as
+    the budget's stretch for prompts, further while they wait; bulk work stretches the leads' step by
+    BULK_STRETCH at most, even while a burst's streams settle (full steps, for its prompts)."""
+    if not cfg.max_num_batched_tokens_decoding:
+        return StepRoom(cfg.max_num_batched_tokens)
+    decoding = [r for r in running if r.num_computed_tokens >= r.num_prompt_tokens]
+    settling = not any(r.num_output_tokens >= cfg.settling_tokens for r in decoding)  # a burst's streams
+    alone = len(leads) == 1 and not first_waiting  # one request's samples, no other client's
+    if measured is None or not decoding or (settling and alone):
+        if settling:
+            return StepRoom(cfg.max_num_batched_tokens)
+        return StepRoom(
+            min(cfg.max_num_batched_tokens, max(cfg.max_num_batched_tokens_decoding, len(running)))
+        )
+    context = sum(r.num_tokens for r in leads.values())
+    budget = measured.tokens(len(leads), context, first_waiting)
+    if alone:
+        return StepRoom(min(cfg.max_num_batched_tokens, max(budget, len(running))))
+    budget = (
+        cfg.max_num_batched_tokens if settling else min(cfg.max_num_batched_tokens, max(budget, len(leads)))
+    )
+    stretch = min(measured.stretch, BULK_STRETCH)
+    bulk = max(1, min(budget, measured.tokens(len(leads), context, stretch=stretch)) - len(leads))
+    return StepRoom(budget, measured.price, bulk)

@@ -19,6 +19,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.numpy
@@ -26,6 +27,9 @@ import numpy as np
 
 from engine.params import StructuredOutputsParams
 from engine.processes import lower_thread_priority
+
+if TYPE_CHECKING:
+    from engine.request import Request
 
 logger = logging.getLogger("kiln.structured")
 
@@ -192,6 +196,13 @@ class StructuredOutputManager:
         """Block until a compile finishes or `timeout` passes (the core's idle wait while one runs)."""
         # With none compiling, wait() returns at once.
         wait_futures([f for f in self.cache.values() if not f.done()], timeout, return_when="FIRST_COMPLETED")
+
+    def step_bitmasks(self, constrained: list[Request]) -> dict[str, np.ndarray]:
+        """The token masks, by request id, of the constrained requests that sample in a step: those whose
+        computed tokens reach their known ones (a chunk that ends the prompt, or a decode)."""
+        sampling = [r for r in constrained if r.num_computed_tokens >= r.num_tokens]
+        masks = self.bitmask([r.grammar for r in sampling]) if sampling else []
+        return {r.request_id: row for r, row in zip(sampling, masks)}
 
     def bitmask(self, grammars: list[Grammar]) -> np.ndarray:
         """[len(grammars), words] int32: bit t of row i is set iff token t may come next for grammar i."""

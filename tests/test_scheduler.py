@@ -8,6 +8,7 @@ from engine.request import Request, RequestStatus
 from engine.request_queue import RequestQueue
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step import ModelRunnerOutput, SchedulerOutput
+from engine.step_budget import BULK_STRETCH
 
 EOS = 0
 _fresh = itertools.count(1000)
@@ -644,7 +645,7 @@ def test_a_running_prompts_chunk_leaves_room_for_a_waiting_prompt_and_the_decode
 
 
 def test_further_samples_are_priced_by_their_context_beside_other_requests_streams():
-    """Measured: a step is 10 ms + 1 ms a row + 10 µs a context token + 1 ms a chunk token. Beside another
+    """Measured: a step is 100 ms + 1 ms a row + 10 µs a context token + 1 ms a chunk token. Beside another
     request's stream, the further samples over a long prompt take only the room the leads' step leaves
     (each at the price of its context); alone, every sample decodes in every step; all finish."""
     s = make(
@@ -656,7 +657,7 @@ def test_further_samples_are_priced_by_their_context_beside_other_requests_strea
         max_num_seqs=16,
     )
     for rows, context, chunk in [(r, r * c, t) for r in (1, 4, 8) for c in (10, 1000, 3000) for t in (0, 64)]:
-        s.step_budget.observe(rows, context, chunk, 0.010 + 0.001 * rows + 1e-5 * context + 0.001 * chunk)
+        s.step_budget.observe(rows, context, chunk, 0.100 + 0.001 * rows + 1e-5 * context + 0.001 * chunk)
     a = samples(s, "a", [next(_fresh) for _ in range(2000)], 8, max_tokens=12, ignore_eos=True)
     while any(r.num_output_tokens == 0 for r in s.running) or s.waiting:
         step(s)
@@ -666,8 +667,8 @@ def test_further_samples_are_priced_by_their_context_beside_other_requests_strea
     step(s)
     out, _ = step(s)
     a0 = a[0]
-    budget = s.step_budget.tokens(2, a0.num_tokens - 1 + b.num_tokens - 1)
-    expected = (budget - 2) // s.step_budget.price(a0.num_tokens - 1)
+    bulk = s.step_budget.tokens(2, a0.num_tokens - 1 + b.num_tokens - 1, stretch=BULK_STRETCH) - 2
+    expected = bulk // s.step_budget.price(a0.num_tokens - 1)
     further = [rid for rid in out.num_scheduled_tokens if rid not in ("a#0", "b")]
     assert {"a#0", "b"} <= set(out.num_scheduled_tokens) and 0 < len(further) == expected < 7
     while s.has_unfinished_requests():
@@ -679,10 +680,12 @@ def test_further_samples_are_priced_by_their_context_beside_other_requests_strea
 class FixedPrices:
     """A measured budget that always says `tokens`, and prices a further sample's decode at `price`."""
 
+    stretch = 4.0
+
     def __init__(self, tokens: int, price: int) -> None:
         self.tokens_, self.price_ = tokens, price
 
-    def tokens(self, running: int, context: int = 0, waiting: int = 0) -> int:
+    def tokens(self, running: int, context: int = 0, waiting: int = 0, stretch: float | None = None) -> int:
         return self.tokens_
 
     def price(self, context: int) -> int:
@@ -703,6 +706,86 @@ def test_priced_further_samples_leave_room_for_a_lead_behind_them():
         assert set(step(s)[0].num_scheduled_tokens) == {"b#0", "b#1", "b#2", "a#4"}
     s.step_budget = FixedPrices(11, 3)  # room for all
     assert set(step(s)[0].num_scheduled_tokens) == {"b#0", "b#1", "b#2", "b#3", "a#4"}
+
+
+class WaitingWidens(FixedPrices):
+    """`tokens` more room for each waiting first sample."""
+
+    def tokens(self, running: int, context: int = 0, waiting: int = 0, stretch: float | None = None) -> int:
+        return self.tokens_ * (1 + waiting)
+
+
+def test_the_room_waiting_prompts_add_is_not_spent_on_further_samples():
+    """B's lead and A's samples decode (four further ones running, 3 tokens each); then C arrives. Its wait
+    doubles the step's budget, which its prompt may use, but A's further samples still get only the 6
+    tokens the leads' step leaves without it: two of them."""
+    s = make(max_num_batched_tokens_decoding=4, max_num_seqs=8)
+    add(s, "b", 4, ignore_eos=True)
+    samples(s, "a", [next(_fresh) for _ in range(4)], 6, ignore_eos=True)
+    step(s)
+    s.step_budget = WaitingWidens(8, 3)
+    assert {r.request_id for r in s.running} == {"b", "a#0", "a#1", "a#2", "a#3", "a#4"}
+    assert len(set(step(s)[0].num_scheduled_tokens) - {"a#0", "b"}) == 2
+    add(s, "c", 2)
+    scheduled = set(step(s)[0].num_scheduled_tokens)
+    assert {"a#0", "b", "c"} <= scheduled and len(scheduled - {"a#0", "b", "c"}) == 2
+
+
+class BulkStretch(FixedPrices):
+    """`tokens` at the budget's stretch, `bulk` at a smaller one."""
+
+    def __init__(self, tokens: int, bulk: int, price: int = 1) -> None:
+        super().__init__(tokens, price)
+        self.bulk = bulk
+
+    def tokens(self, running: int, context: int = 0, waiting: int = 0, stretch: float | None = None) -> int:
+        return self.tokens_ if stretch is None else self.bulk
+
+
+@pytest.mark.parametrize("settling", [0, 3], ids=["settled", "settling"])
+def test_a_chunk_that_cannot_end_its_prompt_is_bulk_and_a_shorter_prompt_goes_past_it(settling):
+    """Beside B's stream a step may take 40 tokens (settling: the whole 64, a burst's), bulk work 9 (8
+    beside B's decode): the long prompts get 8 tokens, the first of them, and the short prompt behind them
+    its whole 20 at once."""
+    s = make(
+        max_num_batched_tokens_decoding=4,
+        settling_tokens=settling,
+        max_num_seqs=8,
+        max_model_len=512,
+        num_blocks=128,
+    )
+    add(s, "b", 4, ignore_eos=True)
+    step(s)
+    s.step_budget = BulkStretch(40, 9)
+    add(s, "long", 100)
+    add(s, "longer", 200)
+    add(s, "short", 20)
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"b": 1, "long": 8, "short": 20}
+    assert [r.request_id for r in s.waiting] == ["longer"]  # still first in line
+    out, _ = step(s)  # three leads now: 6 tokens of bulk, all the long prompt's
+    assert out.num_scheduled_tokens == {"b": 1, "short": 1, "long": 6}
+
+
+def test_further_samples_leave_half_the_bulk_room_to_a_long_prompt():
+    """B's stream and A's samples decode; bulk work may take 12 tokens less one a lead, a further sample's
+    decode costs 5. Alone, two further samples take all 10; while a prompt longer than a step waits or goes
+    in, one sample decodes each step and the prompt takes the other half of the room until it is in."""
+    s = make(max_num_batched_tokens_decoding=4, max_num_seqs=16, max_model_len=512, num_blocks=256)
+    add(s, "b", 4, ignore_eos=True)
+    samples(s, "a", [next(_fresh) for _ in range(4)], 6, ignore_eos=True, max_tokens=200)
+    step(s)
+    s.step_budget = BulkStretch(40, 12, price=5)
+    assert len(set(step(s)[0].num_scheduled_tokens) - {"a#0", "b"}) == 2
+    add(s, "long", 100)
+    chunks = []
+    while s.requests["long"].num_computed_tokens < 100 - 64:  # then the rest fits a step: no longer bulk
+        scheduled = step(s)[0].num_scheduled_tokens
+        assert len(set(scheduled) - {"a#0", "b", "long"}) == 1
+        chunks.append(scheduled["long"])
+    assert chunks[0] == 5 and set(chunks[1:]) == {4}  # 10 // 2 with two leads; 9 // 2 with three
+    while s.requests["long"].num_output_tokens == 0:
+        step(s)
 
 
 def test_under_priority_a_first_sample_behind_a_further_one_gets_a_kept_seat():

@@ -138,11 +138,12 @@ def test_admission_counts_samples_prompt_tokens_and_constraint_bytes(tiny_chat_m
             llm.add(prompt, SamplingParams(max_tokens=4, structured_outputs=choice))
         outs = [out async for out in held[1]]
         assert outs[-1].finished and llm.load == [0, 0, 0]
-        return [out async for out in llm.generate(prompt, long)][-1]  # room again once all ended
+        again = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        return [out async for out in llm.generate(prompt, again)][-1]  # room again once all ended
 
     try:
         last = run(go())
-        assert len(last.outputs[0].token_ids) == 400
+        assert len(last.outputs[0].token_ids) == 8
         stats = run(llm.get_stats())
         assert stats["num_running"] == stats["num_waiting"] == 0 and stats["kv_cache_usage"] == 0.0
     finally:

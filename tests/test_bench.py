@@ -230,30 +230,22 @@ def test_bench_latency_against_transformers(tiny_chat_model, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_bench_serve_launches_a_server(endpoint, tiny_chat_model, tmp_path, capsys):
+def test_bench_serve_launches_a_server_or_uses_a_running_one(
+    endpoint, request, tiny_chat_model, tmp_path, capsys, monkeypatch
+):
+    """completions: a server it launches; chat: the session's server, with its key."""
+    monkeypatch.setattr(bench_serve, "SETTLE_S", 0.0)
     out, data = tmp_path / "s.json", tmp_path / "prompts.jsonl"
     data.write_text(
         "".join(json.dumps({"prompt": f"Tell me about kiln number {i}."}) + "\n" for i in range(4))
     )
-    load = ["--dataset", str(data)] if endpoint == "chat" else ["--request-rate", "50"]
-    assert (
-        main(
-            [
-                "bench",
-                "serve",
-                "--launch",
-                tiny_chat_model,
-                *TINY_ENGINE,
-                *TINY_LOAD,
-                "--endpoint",
-                endpoint,
-                *load,
-                "--json",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    if endpoint == "chat":
+        server = request.getfixturevalue("server")
+        target = ["--base-url", server.url, "--api-key", "test-key", "--dataset", str(data)]
+    else:
+        target = ["--launch", tiny_chat_model, *TINY_ENGINE, "--request-rate", "50"]
+    args = ["bench", "serve", *target, *TINY_LOAD, "--endpoint", endpoint, "--json", str(out)]
+    assert main(args) == 0
     r = json.loads(out.read_text())
     assert r["completed"] == 4 and r["failed"] == 0 and r["first_error"] is None
     assert r["output_tokens"] == 4 * 4 and all(q["output_tokens"] == 4 for q in r["requests"])
@@ -552,17 +544,14 @@ def test_bench_spec_runs_a_peer_one_request_at_a_time(tiny_chat_model):
 
     args = dict(dtype="float32", enforce_eager=True, kv_cache_memory=50_000_000)
     drafts = '{"method": "ngram", "num_speculative_tokens": 2}'
-    engines = {
-        "off": AsyncLLM(tiny_chat_model, **args),
-        "drafts": AsyncLLM(tiny_chat_model, **args, speculative_config=drafts),
-    }
+    llm = AsyncLLM(tiny_chat_model, **args)  # one engine in both roles: the peer's rows are what is checked
+    engines = {"off": llm, "drafts": llm}
     try:
-        sets = {"grounded": [engines["off"].chat_prompt([{"role": "user", "content": "hi"}])]}
+        sets = {"grounded": [llm.chat_prompt([{"role": "user", "content": "hi"}])]}
         params = SamplingParams(temperature=0.0, max_tokens=6)
         rows = asyncio.run(spec._bench(engines, None, sets, params, (1, 2), 1, Peer()))
     finally:
-        for llm in engines.values():
-            llm.shutdown()
+        llm.shutdown()
     one, two = rows["grounded, 1 at a time"], rows["grounded, 2 at a time"]
     assert one["llama.cpp lookup"] == pytest.approx(2 * one["llama.cpp"]) and one["llama.cpp tokens"] == 3
     assert one["llama.cpp same"] is True

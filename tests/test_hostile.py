@@ -230,7 +230,7 @@ def test_a_front_end_holding_its_limit_refuses_more_until_one_finishes(tiny_chat
 
     async def go():
         async def drain(prompt: str) -> list:
-            return [o async for o in llm.generate(prompt, SamplingParams(max_tokens=400, ignore_eos=True))]
+            return [o async for o in llm.generate(prompt, SamplingParams(max_tokens=64, ignore_eos=True))]
 
         held = [asyncio.ensure_future(drain(p)) for p in ("a", "b")]  # one running, one waiting for a slot
         while len(llm.output_processor.requests) < 2:
@@ -245,7 +245,7 @@ def test_a_front_end_holding_its_limit_refuses_more_until_one_finishes(tiny_chat
         firsts, outs = in_thread(go, timeout=120)
     finally:
         llm.shutdown()
-    assert [len(f[-1].outputs[0].token_ids) for f in firsts] == [400, 400] and outs[-1].finished
+    assert [len(f[-1].outputs[0].token_ids) for f in firsts] == [64, 64] and outs[-1].finished
 
 
 def test_a_reader_that_falls_behind_holds_one_merged_output(shared_engine):

@@ -14,8 +14,6 @@ from engine.params import SamplingParams
 from server.bench.driver import hf_greedy_batch
 from tests.conftest import engine_core_children
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-
 DRAGON = (
     "Tell me a short story about a dragon who learns to bake bread in a small village by the sea, from an "
     "old baker who has never seen a dragon before, and who bakes for the whole village every morning."
@@ -73,10 +71,14 @@ def reference(prompts, smollm2_hf):
     ids=["compiled", "chunked-preempted-no-prefix-caching"],
 )
 def test_greedy_is_token_exact_with_transformers(prompts, reference, engine_args):
+    # Eager steps of 24 tokens are many: half the tokens still cross pages and outlast preemptions.
+    n = 32 if engine_args.get("enforce_eager") else 64
     with LLM(
         dtype="float32", max_num_seqs=16, max_model_len=512, **{"kv_cache_memory": 1 << 28, **engine_args}
     ) as llm:
-        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        outs = llm.generate(
+            prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False
+        )
         stats = llm.get_stats()
         # Without ignore_eos the same greedy run stops at the model's EOS, which ends no text.
         stopped = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[
@@ -87,7 +89,7 @@ def test_greedy_is_token_exact_with_transformers(prompts, reference, engine_args
     assert stopped.text == llm.tokenizer.decode(reference[0][:eos]) and "<|im_end|>" not in stopped.text
     for i, (out, ref) in enumerate(zip(outs, reference)):
         assert out.prompt_token_ids == prompts[i]
-        assert out.outputs[0].token_ids == ref, f"prompt {i} ({QUESTIONS[i]!r}) diverged"
+        assert out.outputs[0].token_ids == ref[:n], f"prompt {i} ({QUESTIONS[i]!r}) diverged"
         assert out.outputs[0].finish_reason == "length"
     if engine_args.get("num_kv_blocks"):
         assert stats["num_preemptions"] > 0

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.bench.serve import launch
+from tests.test_server import AUTH, KEY
 
 pytestmark = pytest.mark.slow
 
@@ -31,9 +31,11 @@ metric_list:
 """
 
 
-def lm_eval(tmp: Path, name: str, model: str, model_args: str) -> dict:
-    """Run `lm_eval` on the task; its per-choice loglikelihoods by document, and its accuracy."""
-    include, out = tmp / "tasks", tmp / name
+def lm_eval(
+    tmp: Path, name: str, model: str, model_args: str, extra_env: dict | None = None
+) -> subprocess.Popen:
+    """Start `lm_eval` on the task, its results under tmp / name (read by `results`)."""
+    include = tmp / "tasks"
     include.mkdir(exist_ok=True)
     (include / "kiln_mc.yaml").write_text(TASK.format(data=TASK_DIR / "kiln_mc.jsonl"))
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -48,9 +50,23 @@ def lm_eval(tmp: Path, name: str, model: str, model_args: str) -> dict:
         "--tasks",
         "kiln_mc",
     ]
-    cmd += ["--include_path", str(include), "--batch_size", "1", "--output_path", str(out), "--log_samples"]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-5000:]
+    cmd += [
+        "--include_path",
+        str(include),
+        "--batch_size",
+        "1",
+        "--output_path",
+        str(tmp / name),
+        "--log_samples",
+    ]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=(tmp / f"{name}.log").open("w"), env=env | (extra_env or {})
+    )
+
+
+def results(run: subprocess.Popen, out: Path) -> dict:
+    """A finished `lm_eval` run's per-choice loglikelihoods by document, and its accuracy."""
+    assert run.wait(timeout=600) == 0, (out.parent / f"{out.name}.log").read_text()[-5000:]
     [results] = out.rglob("results_*.json")
     [samples] = out.rglob("samples_kiln_mc_*.jsonl")
     per_doc = {}
@@ -61,20 +77,16 @@ def lm_eval(tmp: Path, name: str, model: str, model_args: str) -> dict:
     return {"acc": acc, "loglikelihoods": per_doc}
 
 
-def test_lm_eval_through_kiln_equals_its_transformers_backend(smollm2_dir, tmp_path):
-    flags = [
-        "--dtype",
-        "float32",
-        "--enforce-eager",
-        "--max-model-len",
-        "2048",
-        "--kv-cache-memory",
-        str(256 << 20),
-    ]
-    with launch(smollm2_dir, flags, timeout=300) as (url, _):
-        name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-        kiln = lm_eval(tmp_path, "kiln", "local-completions", f"model={name},base_url={url}/v1/completions")
-    hf = lm_eval(tmp_path, "hf", "hf", f"pretrained={smollm2_dir},dtype=float32")
+def test_lm_eval_through_kiln_equals_its_transformers_backend(server, smollm2_dir, tmp_path):
+    """Against the session's server (the default model in float32, eager); transformers' run meanwhile,
+    in its own process."""
+    hf_run = lm_eval(tmp_path, "hf", "hf", f"pretrained={smollm2_dir},dtype=float32")
+    name = httpx.get(server.url + "/v1/models", headers=AUTH).json()["data"][0]["id"]
+    args = f"model={name},base_url={server.url}/v1/completions,tokenizer={smollm2_dir}"
+    kiln = results(
+        lm_eval(tmp_path, "kiln", "local-completions", args, {"OPENAI_API_KEY": KEY}), tmp_path / "kiln"
+    )
+    hf = results(hf_run, tmp_path / "hf")
     assert kiln["acc"] == hf["acc"] > 0.25  # better than chance on these questions
     assert kiln["loglikelihoods"].keys() == hf["loglikelihoods"].keys() and len(hf["loglikelihoods"]) == 16
     for doc, expected in hf["loglikelihoods"].items():

@@ -7,7 +7,7 @@ from server.bench import soak
 def test_a_server_soaked_by_misbehaving_clients_comes_back_whole(tiny_chat_model, tmp_path):
     # With overlapped scheduling, whose steps in flight make aborts and disconnects the harder case.
     flags = ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory", "50000000", "--async-scheduling"]
-    result = soak.run(tiny_chat_model, flags, requests=150, duration_s=18, clients=64, log=tmp_path / "log")
+    result = soak.run(tiny_chat_model, flags, requests=70, duration_s=8, clients=64, log=tmp_path / "log")
     report = soak.format_report(result) + "\n" + (tmp_path / "log").read_text()[-3000:]
     assert result["ok"], report
     kinds = {outcome.split()[0] for outcome in result["outcomes"]}
@@ -18,15 +18,17 @@ def test_a_server_soaked_by_misbehaving_clients_comes_back_whole(tiny_chat_model
     assert outcomes.get("abort client timeout", 0) > 0, report
     bad_4xx = sum(n for k, n in outcomes.items() if k.startswith("bad 4"))
     assert bad_4xx == outcomes_of(outcomes, "bad") > 0, report
-    assert result["health"]["checks"] > 100, report
+    assert result["health"]["checks"] > 20, report
 
 
 def outcomes_of(outcomes: dict[str, int], kind: str) -> int:
     return sum(n for k, n in outcomes.items() if k.split()[0] == kind)
 
 
-def test_the_attack_bench_measures_good_clients_beside_every_attack(tiny_chat_model, tmp_path):
+def test_the_attack_bench_measures_good_clients_beside_every_attack(tiny_chat_model, tmp_path, monkeypatch):
     from server.bench import attack
+
+    monkeypatch.setattr(attack, "SETTLE_S", 0.0)  # the memory after the attack is not checked here
 
     flags = ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory", "50000000"]
     result = attack.run(tiny_chat_model, flags, duration_s=5, baseline_s=2, good=2, log=tmp_path / "log")

@@ -1,5 +1,7 @@
 """Speculative decoding: n-gram drafts verified in one forward, output unchanged by them."""
 
+import contextlib
+import itertools
 import random
 import shutil
 from pathlib import Path
@@ -54,9 +56,35 @@ def engine(model: str, spec: dict | None, **args) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def reference(looping_model) -> list[list[int]]:
+def plain(looping_model):
     with engine(looping_model, None) as llm:
-        return [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def drafting(looping_model):
+    """An engine with the default n-gram drafts, shared by the tests that need no other settings."""
+    with engine(looping_model, SPEC) as llm:
+        yield llm
+
+
+def counted(llm: LLM, before: dict) -> dict:
+    """The engine's stats now, its counters since `before` (a shared engine's earlier work left out)."""
+    after = llm.get_stats()
+    s0, s1 = before["spec_decoding"] or {}, after["spec_decoding"]
+    if s1 is not None:
+        per_pos = itertools.zip_longest(
+            s1["num_accepted_tokens_per_pos"], s0.get("num_accepted_tokens_per_pos", [])
+        )
+        s1 = {k: v - s0.get(k, 0) for k, v in s1.items() if k != "num_accepted_tokens_per_pos"}
+        s1["num_accepted_tokens_per_pos"] = [a - (b or 0) for a, b in per_pos]
+    counters = ("prefix_cache_hits", "prefix_cache_queries", "num_preemptions")
+    return after | {k: after[k] - before[k] for k in counters} | {"spec_decoding": s1}
+
+
+@pytest.fixture(scope="module")
+def reference(plain) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in plain.generate(prompts(), GREEDY, use_tqdm=False)]
 
 
 @pytest.mark.parametrize(
@@ -72,10 +100,12 @@ def reference(looping_model) -> list[list[int]]:
     ],
     ids=["eager", "chunked", "preemption", "async", "compiled", "suffix", "suffix-chunked-preemption"],
 )
-def test_greedy_output_is_the_same_with_drafts(looping_model, reference, spec, args):
-    with engine(looping_model, spec, **args) as llm:
+def test_greedy_output_is_the_same_with_drafts(looping_model, reference, drafting, spec, args):
+    shared = spec is SPEC and not args
+    with contextlib.nullcontext(drafting) if shared else engine(looping_model, spec, **args) as llm:
+        before = llm.get_stats()
         outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
-        stats = llm.get_stats()
+        stats = counted(llm, before)
     assert [o.outputs[0].token_ids for o in outs] == reference
     spec = stats["spec_decoding"]
     assert spec["num_drafts"] > 0 and 0 < spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
@@ -88,25 +118,25 @@ def test_greedy_output_is_the_same_with_drafts(looping_model, reference, spec, a
         assert stats["num_preemptions"] > 0
 
 
-def test_max_tokens_stops_and_n_samples_and_seeds_are_unchanged_by_drafts(looping_model, reference):
+def test_max_tokens_stops_and_n_samples_and_seeds_are_unchanged_by_drafts(plain, drafting, reference):
     seeded = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_tokens=30, seed=7, ignore_eos=True)
     two = SamplingParams(n=2, temperature=1.0, max_tokens=30, seed=3, ignore_eos=True, presence_penalty=0.5)
     short = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in range(1, 12)]
     runs = []
-    for spec in (None, SPEC):
-        with engine(looping_model, spec) as llm:
-            got = llm.generate([prompts()[0]] * len(short), short, use_tqdm=False)
-            got += llm.generate(prompts()[:2], seeded, use_tqdm=False)
-            got += llm.generate(prompts()[:1], two, use_tqdm=False)
-            runs.append([[c.token_ids for c in o.outputs] for o in got])
-            stats = llm.get_stats()
+    for llm in (plain, drafting):
+        before = llm.get_stats()
+        got = llm.generate([prompts()[0]] * len(short), short, use_tqdm=False)
+        got += llm.generate(prompts()[:2], seeded, use_tqdm=False)
+        got += llm.generate(prompts()[:1], two, use_tqdm=False)
+        runs.append([[c.token_ids for c in o.outputs] for o in got])
+        stats = counted(llm, before)
     assert runs[0] == runs[1]
     assert stats["spec_decoding"]["num_accepted_tokens"] > 0
     for m, out in zip(range(1, 12), runs[1]):  # max_tokens lands inside accepted runs: never past it
         assert out == [reference[0][:m]]
 
 
-def test_biases_and_bans_are_unchanged_by_drafts(looping_model, reference):
+def test_biases_and_bans_are_unchanged_by_drafts(plain, drafting, reference):
     ref = reference[0]
     params = [
         SamplingParams(temperature=0.0, max_tokens=30, logit_bias={ref[3]: -100.0, ref[9]: 5.0}),
@@ -115,22 +145,19 @@ def test_biases_and_bans_are_unchanged_by_drafts(looping_model, reference):
         SamplingParams(temperature=0.9, max_tokens=30, seed=1, bad_words=["ab"], logit_bias={ref[2]: 3.0}),
     ]
     runs = []
-    for spec in (None, SPEC):
-        with engine(looping_model, spec) as llm:
-            runs.append([o.outputs[0].token_ids for o in llm.generate(prompts()[:1] * 4, params, False)])
-            stats = llm.get_stats()
+    for llm in (plain, drafting):
+        before = llm.get_stats()
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts()[:1] * 4, params, False)])
+        stats = counted(llm, before)
     assert runs[0] == runs[1] and stats["spec_decoding"]["num_accepted_tokens"] > 0
     assert ref[3] not in runs[1][0] and ref[5] not in runs[1][1] and ref[8] not in runs[1][2][:20]
 
 
-def test_stop_strings_end_the_text_where_they_would_without_drafts(looping_model):
-    with engine(looping_model, None) as llm:
-        text = llm.generate(prompts()[0], GREEDY, use_tqdm=False)[0].outputs[0].text
-        middle = text[len(text) // 2 : len(text) // 2 + 3]
-        stop = SamplingParams(temperature=0.0, max_tokens=40, stop=[middle])
-        outs = [llm.generate(prompts()[0], stop, use_tqdm=False)[0].outputs[0]]
-    with engine(looping_model, SPEC) as llm:
-        outs.append(llm.generate(prompts()[0], stop, use_tqdm=False)[0].outputs[0])
+def test_stop_strings_end_the_text_where_they_would_without_drafts(plain, drafting):
+    text = plain.generate(prompts()[0], GREEDY, use_tqdm=False)[0].outputs[0].text
+    middle = text[len(text) // 2 : len(text) // 2 + 3]
+    stop = SamplingParams(temperature=0.0, max_tokens=40, stop=[middle])
+    outs = [llm.generate(prompts()[0], stop, use_tqdm=False)[0].outputs[0] for llm in (plain, drafting)]
     assert (outs[0].text, outs[0].finish_reason) == (outs[1].text, outs[1].finish_reason)
     assert outs[1].finish_reason == "stop" and len(outs[1].text) < len(text)
 

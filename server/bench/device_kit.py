@@ -51,8 +51,12 @@ def build(kit: Path = KIT) -> None:
     download = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d"]
     platforms = [arg for p in DEVICE_PLATFORMS for arg in ("--platform", p)]
     device = ["--python-version", "3.12", "--implementation", "cp", *platforms]
-    subprocess.run([*download, str(wheels), *device, *pins], check=True)
-    subprocess.run([*download, str(wheels), *pins], check=True)
+    fetched = wheels / "fetched.txt"  # the pins and platforms of the wheels already there
+    wanted = " ".join([*device, *pins])
+    if not fetched.exists() or fetched.read_text() != wanted:
+        subprocess.run([*download, str(wheels), *device, *pins], check=True)
+        subprocess.run([*download, str(wheels), *pins], check=True)
+        fetched.write_text(wanted)
     model = kit / "model"
     model.mkdir(exist_ok=True)
     for f in Path(model_dir(None)).iterdir():
@@ -128,7 +132,8 @@ def dry_run(kit: Path, out: Path) -> int:
     """`run --device cpu` in a fresh venv that sees this venv's packages but those a torch image lacks."""
     work = Path(tempfile.mkdtemp(prefix="kiln-device-"))
     try:
-        subprocess.run([sys.executable, "-m", "venv", str(work / "venv")], check=True)
+        # No pip of its own: the image's, linked below, installs the kit.
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(work / "venv")], check=True)
         python = work / "venv" / "bin" / "python"
         site = work / "image"
         site.mkdir()

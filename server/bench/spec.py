@@ -115,11 +115,17 @@ def run(
     args = {key: value for key, value in engine_args.items() if key != "speculative_config"}
     config = msgspec.convert(json.loads(spec), SpeculativeConfig)
     lookup = (config.num_speculative_tokens, config.prompt_lookup_max)
-    engines = {"off": AsyncLLM(model, **args), "drafts": AsyncLLM(model, speculative_config=spec, **args)}
+    # Suffix drafts learn from what their engine answered: a fresh engine for each timed run (renew).
+    fresh = config.method == "suffix"
+    engines = {
+        "off": AsyncLLM(model, **args),
+        "drafts": None if fresh else AsyncLLM(model, speculative_config=spec, **args),
+    }
     peer = None
 
     def renew() -> None:
-        engines["drafts"].shutdown()
+        if engines["drafts"] is not None:
+            engines["drafts"].shutdown()
         engines["drafts"] = AsyncLLM(model, speculative_config=spec, **args)
 
     try:
@@ -128,10 +134,11 @@ def run(
         data = json.loads(PROMPTS.read_text())
         sets = {name: [engines["off"].chat_prompt(m) for m in chats] for name, chats in data.items()}
         params = SamplingParams(temperature=0.0, max_tokens=output_len)
-        fresh = renew if config.method == "suffix" else None
-        results = asyncio.run(_bench(engines, fresh, sets, params, concurrency, rounds, peer))
+        results = asyncio.run(
+            _bench(engines, renew if fresh else None, sets, params, concurrency, rounds, peer)
+        )
     finally:
-        for llm in engines.values():
+        for llm in filter(None, engines.values()):
             llm.shutdown()
         if peer is not None:
             peer.close()

@@ -178,11 +178,15 @@ class Scheduler:
         preempted = False
         # While first samples wait, a running prompt's chunk leaves them up to half the step.
         held = min(budget // 2, self.waiting.first_tokens) if self._admitting() else 0
-        # Further samples and a prompt longer than a step, both at once, get half the bulk room each.
-        lengthy = self.waiting.first_tokens > whole or any(
-            r.num_prompt_tokens - r.num_computed_tokens > whole for r in leads.values()
+        # Further samples and a prompt longer than a step, both at once, get half the bounded bulk room each.
+        halves = (
+            bulk < sys.maxsize
+            and len(leads) < len(running)
+            and (
+                self.waiting.first_tokens > whole
+                or any(r.num_prompt_tokens - r.num_computed_tokens > whole for r in leads.values())
+            )
         )
-        halves = lengthy and len(leads) < len(running)
         samples_bulk = most = bulk - bulk // 2 if halves else bulk  # most: a sample's price, so one runs
         bulk = bulk // 2 if halves else bulk
         seats = -(-len(running) // cfg.pipeline_parallel_size)  # the steps in flight share the sampling

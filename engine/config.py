@@ -296,7 +296,8 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # 0: a prefill chunk is limited by the budget only
     # A step that carries decodes computes at most this many tokens (0: max_num_batched_tokens), so a
     # prefill never holds running streams' next tokens for long; a step with nobody decoding may use
-    # the whole budget, which is what a lone prompt's time to first token needs.
+    # the whole budget, which is what a lone prompt's time to first token needs (with step_stretch, a
+    # few times a step's fixed cost: engine/step_budget.py).
     max_num_batched_tokens_decoding: int = 0
     settling_tokens: int = 0  # streams cap steps from this many tokens on: a burst prefills in full steps
     async_scheduling: bool = False  # schedule the next step while the current one runs

@@ -20,8 +20,9 @@ goes back to the waiting queue, at its front (fcfs) or at its own priority and a
 Fairness: sample i waits behind every other request's sample i - 1 (request_queue.py), the last quarter of
 the seats is kept for first samples, a chunk or a further sample's decode leaves room for the leads' decodes
 after it and up to half the step to waiting first samples; where several requests' streams share a measured
-step, bulk work stretches it less than prompts do, and a fresh prompt longer than a step waits while the
-step has no bulk room left, others going past it (step_budget.py).
+step, work is priced by the context its attention reads, bulk work (a further sample's, a fresh prompt
+longer than a step) stretches the step less than prompts do and waits while it has no bulk room left,
+others going past it (step_budget.py).
 
 Speculative decoding: a decoding request also computes the tokens its proposer drafts (engine/proposer.py),
 within the budget; once verified, ``num_computed_tokens`` steps back over the rejected ones, whose slots
@@ -31,7 +32,6 @@ the next step computes again. No block hash covers a draft: only known tokens ar
 from __future__ import annotations
 
 import random
-import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -43,7 +43,7 @@ from engine.request import Request, RequestStatus
 from engine.request_queue import RequestQueue
 from engine.stat_logger import SchedulerStats
 from engine.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from engine.step_budget import StepBudget, step_tokens
+from engine.step_budget import StepBudget, prompt_caps, step_tokens
 
 if TYPE_CHECKING:
     from engine.structured_output import StructuredOutputManager
@@ -169,26 +169,16 @@ class Scheduler:
         cfg, kv, running = self.config, self.kv_cache_manager, self.running
         # Each client request's first running sample leads; its others are bulk work (engine/step_budget.py).
         leads = {r.parent_id: r for r in reversed(running)}
-        budget, price, bulk = step_tokens(cfg, running, leads, self.waiting.num_first, self.step_budget)
-        # long_prefill_token_threshold caps a prefill's chunk (with chunked prefill only; 0: no cap).
-        cap = (cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0) or sys.maxsize
-        whole = min(cfg.max_num_batched_tokens, cap)  # a prompt longer than this takes several steps
+        step = step_tokens(cfg, running, leads, self.waiting, self.step_budget)
+        # Bulk work no room holds costs all of it, so it runs alone: `most` a sample, `chunks` a chunk.
+        budget, _, bulk, samples_bulk = step
+        chunks, most = min(bulk, budget), min(samples_bulk, budget)
+        cap, whole = prompt_caps(cfg)  # a chunk's most tokens; a prompt longer than `whole` is bulk work
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
         preempted = False
         # While first samples wait, a running prompt's chunk leaves them up to half the step.
         held = min(budget // 2, self.waiting.first_tokens) if self._admitting() else 0
-        # Further samples and a prompt longer than a step, both at once, get half the bounded bulk room each.
-        halves = (
-            bulk < sys.maxsize
-            and len(leads) < len(running)
-            and (
-                self.waiting.first_tokens > whole
-                or any(r.num_prompt_tokens - r.num_computed_tokens > whole for r in leads.values())
-            )
-        )
-        samples_bulk = most = bulk - bulk // 2 if halves else bulk  # most: a sample's price, so one runs
-        bulk = bulk // 2 if halves else bulk
         seats = -(-len(running) // cfg.pipeline_parallel_size)  # the steps in flight share the sampling
         # A chunk or a further sample's decode leaves room for the leads' decodes still to come.
         rows = sum(r.num_known_tokens - r.num_computed_tokens == 1 for r in leads.values())
@@ -197,13 +187,14 @@ class Scheduler:
             req = running[i]
             left, lead = req.num_known_tokens - req.num_computed_tokens, leads[req.parent_id] is req
             rows -= left == 1 and lead
-            further = left == 1 and not lead
+            further, start = not lead, req.num_computed_tokens
             room = budget if left == 1 and lead else budget - held - rows
-            # Bulk work: a further sample's decode, or the chunk of a fresh prompt longer than a step.
-            bulky = further or (left > whole and not req.num_output_tokens)
+            # Bulk work: a further sample's, or a fresh prompt's that costs more than a step, to its end.
+            bulky = further or step.long(req, max(req.num_cached_tokens, 0), whole)
             room = min(room, samples_bulk if further else bulk) if bulky else room
-            n = min(left, room, cap)
-            cost = n if price is None or not further else min(price(req.num_tokens), most)
+            # A lead's decode is in the budget; other work is priced by the context its attention reads.
+            whole_room = most if further else chunks if bulky else room
+            n, cost = (1, 1) if left == 1 and lead else step.take(start, min(left, cap), room, whole_room)
             if n <= 0 or cost > room or self._awaits_output(req) or (n == left and not seats):
                 i += 1  # no room, its sampled token still to come, or no seat for its sample
                 continue
@@ -250,21 +241,26 @@ class Scheduler:
                 continue
             if req.num_steps_in_flight:  # preempted with a step in flight: resumed once it is back
                 break
-            long = req.num_tokens > whole and not req.num_output_tokens  # a fresh prompt longer than a step
-            if long and bulk <= 0:  # bulk work with no room left: the others go first
+            lead = leads.get(req.parent_id) if req.sample_index else None  # a further sample's: bulk work
+            # It goes in once its lead's prompt is scheduled, which the prefix cache then holds for it.
+            further = lead is not None
+            long = not further and step.long(req, 0, whole)  # a fresh prompt that costs more than a step
+            unshared = further and kv.enable_caching and lead.num_computed_tokens < lead.num_prompt_tokens
+            if (long and bulk <= 0) or (further and samples_bulk <= 0) or unshared:  # the others go first
                 skipped.append(waiting.pop())
                 continue
             computed_blocks, num_hit = kv.get_computed_blocks(req)
-            n = min(req.num_tokens - num_hit, cap)
-            if n > budget:
-                # Without chunked prefill the whole rest must fit this step; a request resumed after
-                # preemption may have outgrown the full budget, and only chunking lets it run at all.
-                if not cfg.enable_chunked_prefill and n <= cfg.max_num_batched_tokens:
-                    break
-                n = budget
-            if long and req.num_tokens - num_hit > whole:
-                n = min(n, bulk)
-                bulk -= n
+            left = req.num_tokens - num_hit
+            bulky = long and step.long(req, num_hit, whole)
+            room = min(budget, bulk if bulky else samples_bulk if further else budget)
+            n, cost = step.take(num_hit, min(left, cap), room, chunks if bulky else most if further else room)
+            # Without chunked prefill the whole rest must fit this step; a request resumed after
+            # preemption may have outgrown the full budget, and only chunking lets it run at all.
+            if n < left and not cfg.enable_chunked_prefill and left <= cfg.max_num_batched_tokens:
+                break
+            if cost > room:  # bulk work with too little room left: the others go first
+                skipped.append(waiting.pop())
+                continue
             if kv.allocate_slots(req, n, computed_blocks, num_hit) is None:
                 break
             waiting.pop_into(running)
@@ -273,7 +269,10 @@ class Scheduler:
             out.new_reqs.append(NewRequestData.of(req, kv.get_block_ids(req.request_id), num_hit))
             req.num_computed_tokens, req.num_sent_tokens = num_hit, req.num_tokens
             self._advance(req, n, out)
-            budget -= n
+            leads.setdefault(req.parent_id, req)
+            budget -= cost
+            bulk -= cost if bulky else 0
+            samples_bulk -= cost if further else 0
 
         waiting.prepend_all(skipped)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())

@@ -9,20 +9,21 @@ room for chunks grows with the ratio of waiting to running requests. However the
 steps, the running streams pay for the same prompt compute in all; larger steps only gather it into
 fewer pauses, and let the waiting prompts in sooner.
 
-Beside other clients' streams, bulk work stretches their step by BULK_STRETCH (or to the decoding floor's
-tokens) at most, waiting prompts or not: the chunks of a fresh prompt longer than a step may take
-(max_num_batched_tokens, or long_prefill_token_threshold where lower), which goes in at that pace while
-shorter ones go past it, and a request's further samples (n > 1), each of whose decodes the scheduler
-prices in chunk tokens of the same cost (`price`), which grows with the context its attention reads. So
-one request's many samples, or a prompt too long for one step, cannot stretch every step for all the
-others; and while such a prompt waits, further samples leave it half of the bulk room.
+Beside other clients' streams the scheduler prices work in chunk tokens at the start of a prompt (`price`):
+a decode by the context it reads, a chunk by its depth in its prompt, whose attention grows with it. And
+bulk work stretches their step by BULK_STRETCH (or to the decoding floor's tokens) at most, waiting
+prompts or not: the chunks of a fresh prompt longer than a step may take (max_num_batched_tokens, or
+long_prefill_token_threshold where lower), which goes in at that pace while shorter ones go past it, and
+all the work of a request's further samples (n > 1): their prompts and decodes. So one request's many
+samples, or a prompt too long for one step, cannot stretch every step for all the others; and while such a
+prompt waits, further samples leave it half of the bulk room.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import sys
-from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -30,47 +31,61 @@ import numpy as np
 if TYPE_CHECKING:
     from engine.config import SchedulerConfig
     from engine.request import Request
+    from engine.request_queue import RequestQueue
     from engine.step import SchedulerOutput
 
 
 class StepBudget:
     """A step's time as fixed + per single-query row + per context token those rows read + per chunk
-    token, fitted by least squares over recent steps (older ones weigh less), no cost below zero. Under a
-    steady queue every step carries a chunk, so the fit cannot wait for decode-only steps: it takes all of
-    them; and where the steps hardly vary (their rows and context grow together), the non-negative fit
-    gives a cost to what explains the time rather than trading a negative one against another.
+    token + per query-key pair of the chunks' attention (which grows with a chunk's depth in its prompt),
+    fitted by least squares over recent steps (older ones weigh less), no cost below zero. Under a steady
+    queue every step carries a chunk, so the fit cannot wait for decode-only steps: it takes all of them;
+    and where the steps hardly vary (their rows and context grow together), the non-negative fit gives a
+    cost to what explains the time rather than trading a negative one against another.
 
     Invariant: `tokens(n, c, w)` lies in [max(floor, n), cap] when n <= cap, grows with w, and equals
-    max(floor, n) until the fit has seen steps with rows and steps with chunks; `price(c) >= 1`.
+    max(floor, n) until the fit has seen steps with rows and steps with chunks; `price(s, n) >= n`, and
+    `price(s, most(s, room)) <= room`.
     """
 
-    DECAY = 0.95  # weight of a step one step older: about the last twenty steps count
+    DECAY = 0.99  # weight of a step one step older: about the last hundred steps count
     RIDGE = 1e-6  # keeps the fit defined before the steps tell every cost apart
+    LONE = 8  # a lone prompt's step: this many times a step's fixed cost, an LONE-th of the cap at least
+    DEPTH = 64  # a token deeper in its sequence costs one more chunk token per DEPTH tokens at most
+    N = 5  # costs: fixed, per row, per kilo context token, per chunk token, per kilo pair
+    SUBSETS = np.array(list(itertools.product((False, True), repeat=N))[1:])  # the costs each fit may use
 
     def __init__(self, stretch: float, floor: int, cap: int) -> None:
         self.stretch, self.floor, self.cap = stretch, floor, cap
-        self.xx = np.zeros((4, 4))  # weighted sums of x xᵀ, x = (1, rows, context / 1024, tokens)
-        self.xt = np.zeros(4)  # weighted sums of x · seconds
+        self.xx = np.zeros((self.N, self.N))  # weighted sums of x xᵀ, x = (1, rows, context / 1024, ...)
+        self.xt = np.zeros(self.N)  # weighted sums of x · seconds
         self.seen_rows = self.seen_tokens = False
-        self.fit: tuple[float, float, float, float] | None = None  # costs(), solved once a step
+        self.fit: tuple[float, ...] | None = None  # costs(), solved once a step
 
     @classmethod
     def of(cls, cfg: SchedulerConfig) -> StepBudget | None:
-        if not cfg.step_stretch:
+        if not cfg.step_stretch or not cfg.enable_chunked_prefill:  # its room cuts prompts into chunks
             return None
         return cls(cfg.step_stretch, cfg.max_num_batched_tokens_decoding, cfg.max_num_batched_tokens)
 
-    def observe_step(self, so: SchedulerOutput, requests: dict[str, Request], seconds: float) -> None:
-        """A step's time, with its composition read from its plan and its (unfinished) requests."""
-        rows = [requests[r] for r, n in so.num_scheduled_tokens.items() if n == 1 and r in requests]
-        prompt = so.num_prompt_tokens
-        context = sum(r.num_computed_tokens for r in rows)
-        self.observe(so.total_num_scheduled_tokens - prompt, context, prompt, seconds)
+    def observe_step(self, so: SchedulerOutput, seconds: float) -> None:
+        """A step's time, with its composition read from its plan: each request's tokens and where they
+        start (its prompt's cached or computed part)."""
+        starts = {r.req_id: r.num_computed_tokens for r in itertools.chain(so.new_reqs, so.cached_reqs)}
+        rows = context = chunk = pairs = 0
+        for rid, n in so.num_scheduled_tokens.items():
+            if rid in so.spec_tokens:  # a verification: its rows count, not its context
+                rows += n
+            elif n == 1:
+                rows, context = rows + 1, context + starts[rid] + 1
+            else:
+                chunk, pairs = chunk + n, pairs + query_key_pairs(starts[rid], n)
+        self.observe(rows, context, chunk, seconds, pairs)
 
-    def observe(self, decode_rows: int, context: int, chunk_tokens: int, seconds: float) -> None:
+    def observe(self, decode_rows: int, context: int, chunk_tokens: int, seconds: float, pairs: int = 0):
         """One step's composition (single-query rows, the context tokens they read, tokens of multi-token
-        chunks) and its time."""
-        x = np.array([1.0, decode_rows, context / 1024, chunk_tokens])  # scaled alike for the solve
+        chunks, the query-key pairs of the chunks' attention) and its time."""
+        x = np.array([1.0, decode_rows, context / 1024, chunk_tokens, pairs / 1024])  # scaled alike
         self.xx = self.DECAY * self.xx + np.outer(x, x)
         self.xt = self.DECAY * self.xt + x * seconds
         self.seen_rows |= decode_rows > 0
@@ -78,32 +93,27 @@ class StepBudget:
         if self.seen_rows and self.seen_tokens:
             self.fit = self._solve()
 
-    def _solve(self) -> tuple[float, float, float, float]:
-        """Non-negative least squares over 4 costs: the best of the fits on each subset of them whose
-        costs all come out non-negative (the others zero)."""
-        xx, best, best_loss = self.xx + self.RIDGE * np.eye(4), np.zeros(4), 0.0
-        for subset in itertools.product((False, True), repeat=4):
-            keep = np.flatnonzero(subset)
-            if not len(keep):
-                continue
-            beta = np.zeros(4)
-            beta[keep] = np.linalg.solve(xx[np.ix_(keep, keep)], self.xt[keep])
-            loss = beta @ xx @ beta - 2 * beta @ self.xt  # the squared error, less a constant
-            if (beta >= 0).all() and loss < best_loss:
-                best, best_loss = beta, loss
-        fixed, per_row, per_kilo, per_token = best
-        return float(fixed), float(per_row), float(per_kilo) / 1024, float(per_token)
+    def _solve(self) -> tuple[float, ...]:
+        """Non-negative least squares over the costs: the best of the fits on each subset of them whose
+        costs all come out non-negative (the others zero), all subsets solved at once."""
+        xx, keep = self.xx + self.RIDGE * np.eye(self.N), self.SUBSETS
+        systems = np.where(keep[:, :, None] & keep[:, None, :], xx, np.eye(self.N))  # the rest solve to 0
+        beta = np.linalg.solve(systems, np.where(keep, self.xt, 0.0)[..., None])[..., 0]
+        loss = np.einsum("si,ij,sj->s", beta, xx, beta) - 2 * beta @ self.xt  # squared error, less a constant
+        loss[(beta < 0).any(axis=1)] = 0.0
+        best = beta[loss.argmin()] if loss.min() < 0 else np.zeros(self.N)
+        return tuple(float(c) / (1024 if i in (2, 4) else 1) for i, c in enumerate(best))  # per token, pair
 
-    def costs(self) -> tuple[float, float, float, float] | None:
-        """Seconds of a step: fixed, per row, per context token, per chunk token; None until both kinds of
-        work were seen."""
+    def costs(self) -> tuple[float, ...] | None:
+        """Seconds of a step: fixed, per row, per context token, per chunk token, per query-key pair of a
+        chunk; None until both kinds of work were seen."""
         return self.fit
 
     def tokens(self, running: int, context: int = 0, waiting: int = 0, stretch: float | None = None) -> int:
         """Tokens of a step that carries `running` streams' decodes over `context` tokens in all while
         `waiting` requests wait, stretched by `stretch` (default: the budget's)."""
         low = max(self.floor, running)
-        fixed, per_row, per_context, per_token = self.costs() or (0.0, 0.0, 0.0, 0.0)
+        fixed, per_row, per_context, per_token, _ = self.costs() or (0.0,) * self.N
         decode_step = fixed + per_row * running + per_context * context
         if per_token <= 0 or decode_step <= 0:  # no fit yet, or one that prices nothing
             return min(low, self.cap)
@@ -111,12 +121,50 @@ class StepBudget:
         room = (stretch - 1.0) * (1.0 + waiting / max(running, 1)) * decode_step / per_token
         return int(min(self.cap, max(low, running + room)))
 
-    def price(self, context: int) -> int:
-        """Chunk tokens that cost what one more decode over `context` tokens does (1 without a fit)."""
-        _, per_row, per_context, per_token = self.costs() or (0.0, 0.0, 0.0, 0.0)
+    def lone_tokens(self) -> int:
+        """Tokens of a step that carries a lone request's prompt: LONE times what a step costs that computes
+        nothing, so that its fixed cost stays a small share, while a request that comes meanwhile waits for
+        no more than that (cap until measured)."""
+        fixed, _, _, per_token, _ = self.costs() or (0.0,) * self.N
         if per_token <= 0:
-            return 1
-        return max(1, round((per_row + per_context * context) / per_token))
+            return self.cap
+        return int(min(self.cap, max(self.cap // self.LONE, (self.LONE - 1) * fixed / self._unit())))
+
+    def _unit(self) -> float:
+        """Seconds of a chunk token, as prices count it: at least what DEPTH query-key pairs or context
+        tokens cost. A fit that gives chunk tokens next to nothing (few chunks among many decodes) would
+        otherwise price every chunk and decode out of any step."""
+        _, _, per_context, per_token, per_pair = self.costs() or (0.0,) * self.N
+        return max(per_token, self.DEPTH * max(per_pair, per_context))
+
+    def price(self, start: int, n: int = 1) -> int:
+        """Chunk tokens at the start of a prompt that cost what `n` query tokens from position `start` do:
+        a single query (a decode) reads `start + 1` tokens' keys and values; a chunk's attention grows with
+        its depth. `n` without a fit."""
+        _, per_row, per_context, per_token, per_pair = self.costs() or (0.0,) * self.N
+        if per_token <= 0:
+            return n
+        if n == 1:
+            return max(1, round((per_row + per_context * (start + 1)) / self._unit()))
+        return n + round(per_pair * query_key_pairs(start, n) / self._unit())
+
+    def most(self, start: int, room: int) -> int:
+        """The most query tokens from position `start` whose price is within `room` tokens (0: none)."""
+        _, _, _, per_token, per_pair = self.costs() or (0.0,) * self.N
+        k = per_pair / self._unit() if per_token > 0 else 0.0
+        # price(start, n) ~ n + k n (start + (n + 1) / 2): the positive root of price = room.
+        b = 1 + k * (start + 0.5)
+        n = int(room if k <= 0 else (math.sqrt(b * b + 2 * k * room) - b) / k)
+        while self.price(start, n + 1) <= room:  # the root is rounded; `price` rounds the pairs' share
+            n += 1
+        while n > 0 and self.price(start, n) > room:
+            n -= 1
+        return n
+
+
+def query_key_pairs(start: int, n: int) -> int:
+    """Query-key pairs of causal attention for `n` queries from position `start`."""
+    return n * start + n * (n + 1) // 2
 
 
 # How far bulk work may stretch the running streams' step: the inter-token latency it may cost them.
@@ -124,39 +172,69 @@ BULK_STRETCH = 1.5
 
 
 class StepRoom(NamedTuple):
-    """A step's token budget; the price in its tokens of a further sample's decode at a context length
-    (None: one token); and the tokens bulk work may take in all (unbounded where nothing is measured, a
-    lone request's samples share the step, or nothing decodes)."""
+    """A step's token budget; the measured costs that price work in its tokens (None: a token each); and
+    the tokens bulk work may take: the chunks of prompts that cost more than a step, and further samples'
+    work (both unbounded where nothing is measured or a lone request's samples share the step)."""
 
     budget: int
-    price: Callable[[int], int] | None = None
-    bulk: int = sys.maxsize
+    priced: StepBudget | None = None
+    chunks: int = sys.maxsize
+    samples: int = sys.maxsize
+
+    def long(self, req: Request, hit: int, whole: int) -> bool:
+        """Whether `req` is a fresh prompt whose rest from `hit` costs more than a step of `whole` tokens:
+        bulk work to its end."""
+        n = req.num_prompt_tokens - hit
+        return not req.num_output_tokens and (n if self.priced is None else self.priced.price(hit, n)) > whole
+
+    def take(self, start: int, n: int, room: int, whole: int) -> tuple[int, int]:
+        """Of `n` query tokens from position `start`, the most whose price fits `room` (none if either is
+        0, one at least otherwise) and their price, counted as `whole` at most: work that no room holds
+        runs alone in a whole one."""
+        if room <= 0 or n <= 0:
+            return 0, 0
+        if self.priced is None:
+            return min(n, room), min(n, room)
+        n = max(1, min(n, self.priced.most(start, room)))
+        return n, min(self.priced.price(start, n), whole)
+
+
+def prompt_caps(cfg: SchedulerConfig) -> tuple[int, int]:
+    """The most tokens of a prompt one chunk may take (long_prefill_token_threshold, with chunked prefill
+    only; 0: no cap), and the longest prompt that goes in at once: longer ones are bulk work."""
+    cap = (cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0) or sys.maxsize
+    return cap, min(cfg.max_num_batched_tokens, cap)
 
 
 def step_tokens(
     cfg: SchedulerConfig,
     running: list[Request],
     leads: dict[str, Request],
-    first_waiting: int,
+    waiting: RequestQueue,
     measured: StepBudget | None,
 ) -> StepRoom:
     """A step that carries decodes has the decoding budget, measured or fixed, with room for every running
     request's decode at least, or, where other requests' streams share the step or wait for it, for each
     request's lead (its first running sample; `leads` by request). A measured step stretches as far as
     the budget's stretch for prompts, further while they wait; bulk work stretches the leads' step by
-    BULK_STRETCH at most, even while a burst's streams settle (full steps, for its prompts)."""
+    BULK_STRETCH at most, even while a burst's streams settle (full steps, for its prompts); further
+    samples and a prompt longer than a step, both at once, get half of that room each."""
+    first_waiting = waiting.num_first
     if not cfg.max_num_batched_tokens_decoding:
         return StepRoom(cfg.max_num_batched_tokens)
     decoding = [r for r in running if r.num_computed_tokens >= r.num_prompt_tokens]
     settling = not any(r.num_output_tokens >= cfg.settling_tokens for r in decoding)  # a burst's streams
-    alone = len(leads) == 1 and not first_waiting  # one request's samples, no other client's
-    if measured is None or not decoding or (settling and alone):
+    alone = len(leads) + first_waiting <= 1  # one request's samples, no other client's
+    if measured is None or (settling and alone):
+        if settling and measured is not None and not decoding:  # a lone prompt: priced steps
+            return StepRoom(measured.lone_tokens(), measured)
         if settling:
             return StepRoom(cfg.max_num_batched_tokens)
         return StepRoom(
             min(cfg.max_num_batched_tokens, max(cfg.max_num_batched_tokens_decoding, len(running)))
         )
-    context = sum(r.num_tokens for r in leads.values())
+    # What the leads' decodes read: a lead still computing its prompt decodes nothing yet.
+    context = sum(r.num_tokens for r in leads.values() if r.num_computed_tokens >= r.num_prompt_tokens)
     budget = measured.tokens(len(leads), context, first_waiting)
     if alone:
         return StepRoom(min(cfg.max_num_batched_tokens, max(budget, len(running))))
@@ -165,4 +243,11 @@ def step_tokens(
     )
     stretch = min(measured.stretch, BULK_STRETCH)
     bulk = max(1, min(budget, measured.tokens(len(leads), context, stretch=stretch)) - len(leads))
-    return StepRoom(budget, measured.price, bulk)
+    if not decoding:  # no stream to hold back: bulk work may take a lone prompt's step
+        bulk = max(bulk, min(budget, measured.lone_tokens()))
+    room, whole = StepRoom(budget, measured, bulk, bulk), prompt_caps(cfg)[1]
+    prompts = [r for r in leads.values() if r.num_computed_tokens < r.num_prompt_tokens]
+    long = any(room.long(r, max(r.num_cached_tokens, 0), whole) for r in prompts)
+    if len(leads) < len(running) and (long or waiting.first_tokens > whole):
+        return room._replace(chunks=bulk // 2, samples=bulk - bulk // 2)
+    return room

@@ -1,7 +1,7 @@
 """The Scheduler driven by a fake model runner, under tiny pools and budgets that force chunking,
-preemption and prefix hits, and with n-gram drafts that the fake runner accepts or rejects at random,
-under either scheduling policy (requests of a few priorities, arriving out of order too), and with the
-steps of several pipeline stages in flight.
+preemption and prefix hits, with step budgets measured from random step times, and with n-gram drafts
+that the fake runner accepts or rejects at random, under either scheduling policy (requests of a few
+priorities, arriving out of order too), and with the steps of several pipeline stages in flight.
 
 The fake runner keeps its own per-request state from SchedulerOutputs alone (tokens, block table,
 computed count), as the real one does, so the test also checks that the messages are sufficient:
@@ -51,6 +51,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         caching=st.booleans(),
         threshold=st.sampled_from([0, 0, 1, 3]),
         decoding_cap=st.sampled_from([0, 0, 1, 5]),
+        stretch=st.sampled_from([0.0, 0.0, 2.0]),
         settling=st.sampled_from([0, 1, 3]),
         drafts=st.sampled_from([0, 0, 1, 3]),
         policy=st.sampled_from(["fcfs", "priority"]),
@@ -68,6 +69,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         caching,
         threshold,
         decoding_cap,
+        stretch,
         settling,
         drafts,
         policy,
@@ -84,6 +86,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             enable_chunked_prefill=chunked,
             long_prefill_token_threshold=threshold,
             max_num_batched_tokens_decoding=decoding_cap,
+            step_stretch=stretch,
             settling_tokens=settling,
             scheduling_policy=policy,
             pipeline_parallel_size=stages,
@@ -108,6 +111,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         cfg, sched = self.cfg, self.sched
         out = sched.schedule()
         sched_tokens = out.num_scheduled_tokens
+        if sched.step_budget is not None:  # measured steps: times at random, so any fit prices the work
+            sched.step_budget.observe_step(out, self.rng.uniform(0.001, 0.1) * (1 + len(sched_tokens)))
         # A step that preempts admits no one: every request running now was running when the victims went.
         for victim in [sched.requests[rid] for rid in out.finished_req_ids if rid in sched.requests]:
             assert victim.status == RequestStatus.PREEMPTED

@@ -8,7 +8,7 @@ from engine.request import Request, RequestStatus
 from engine.request_queue import RequestQueue
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step import ModelRunnerOutput, SchedulerOutput
-from engine.step_budget import BULK_STRETCH
+from engine.step_budget import BULK_STRETCH, StepBudget, query_key_pairs, step_tokens
 
 EOS = 0
 _fresh = itertools.count(1000)
@@ -688,8 +688,11 @@ class FixedPrices:
     def tokens(self, running: int, context: int = 0, waiting: int = 0, stretch: float | None = None) -> int:
         return self.tokens_
 
-    def price(self, context: int) -> int:
-        return self.price_
+    def price(self, start: int, n: int = 1) -> int:
+        return self.price_ if n == 1 else n
+
+    def most(self, start: int, room: int) -> int:
+        return room  # the scheduler checks the price of what it takes
 
 
 def test_priced_further_samples_leave_room_for_a_lead_behind_them():
@@ -779,11 +782,11 @@ def test_further_samples_leave_half_the_bulk_room_to_a_long_prompt():
     assert len(set(step(s)[0].num_scheduled_tokens) - {"a#0", "b"}) == 2
     add(s, "long", 100)
     chunks = []
-    while s.requests["long"].num_computed_tokens < 100 - 64:  # then the rest fits a step: no longer bulk
+    while s.requests["long"].num_computed_tokens < 100:  # bulk to its end: the whole costs over a step
         scheduled = step(s)[0].num_scheduled_tokens
         assert len(set(scheduled) - {"a#0", "b", "long"}) == 1
         chunks.append(scheduled["long"])
-    assert chunks[0] == 5 and set(chunks[1:]) == {4}  # 10 // 2 with two leads; 9 // 2 with three
+    assert chunks[0] == 5 and set(chunks[1:-1]) == {4} and chunks[-1] == 3  # 10 // 2, then 9 // 2
     while s.requests["long"].num_output_tokens == 0:
         step(s)
 
@@ -815,3 +818,105 @@ def test_a_fit_that_prices_chunk_tokens_near_nothing_still_lets_a_further_sample
     for _ in range(3):
         scheduled = step(s)[0].num_scheduled_tokens
         assert {"a#0", "b"} <= set(scheduled) and len(set(scheduled) & {"a#1", "a#2"}) == 1
+
+
+def machine(rows: int, context: int, tokens: int, pairs: int) -> float:
+    """A step's seconds: 20 ms + 1 ms a row + 10 µs a context token + 1 ms a chunk token + 4 µs a pair."""
+    return 0.020 + 0.001 * rows + 1e-5 * context + 0.001 * tokens + 4e-6 * pairs
+
+
+def measured(s: Scheduler) -> None:
+    """The step budget fitted to `machine`, chunks at several depths."""
+    for rows, c, t, start in itertools.product((1, 4, 8), (10, 1000, 3000), (0, 64, 256), (0, 2000)):
+        pairs = query_key_pairs(start, t) if t else 0
+        s.step_budget.observe(rows, rows * c, t, machine(rows, rows * c, t, pairs), pairs)
+
+
+def test_a_long_prompts_chunks_shrink_with_depth_so_the_streams_step_stays_bounded():
+    """Beside B's stream, a prompt longer than a step goes in as bulk work: each chunk, as the machine
+    computes it, stretches B's step by BULK_STRETCH at most, so the chunks shrink as they go deeper."""
+    s = make(
+        max_model_len=2048, num_blocks=600, max_num_batched_tokens=256, max_num_batched_tokens_decoding=4
+    )
+    s.config.step_stretch = 4.0
+    s.step_budget = StepBudget.of(s.config)
+    measured(s)
+    b = add(s, "b", 8, max_tokens=1000, ignore_eos=True)
+    step(s)
+    add(s, "long", 700, max_tokens=1)
+    chunks = []
+    while "long" in s.requests:
+        left = 700 - s.requests["long"].num_computed_tokens
+        out, _ = step(s)
+        if "long" in out.num_scheduled_tokens and left > 256:
+            n, start = out.num_scheduled_tokens["long"], 700 - left
+            decode = machine(1, b.num_tokens - 1, 0, 0)
+            assert machine(1, b.num_tokens - 1, n, query_key_pairs(start, n)) <= BULK_STRETCH * decode + 0.001
+            chunks.append(n)
+    assert chunks[0] >= 2 * chunks[-1] and chunks == sorted(chunks, reverse=True)
+
+
+def test_a_requests_further_samples_are_bulk_work_from_their_admission_on():
+    """Beside B's stream, A's further samples (their prompts, first tokens and decodes alike) take no more
+    than the bulk room in any step, or one of them where one costs more; all finish, every block free."""
+    s = make(
+        max_model_len=1024, num_blocks=600, max_num_batched_tokens=256, max_num_batched_tokens_decoding=16
+    )
+    s.config.step_stretch, s.config.max_num_seqs = 4.0, 16
+    s.step_budget = StepBudget.of(s.config)
+    measured(s)
+    add(s, "b", 8, max_tokens=1000, ignore_eos=True)
+    step(s)
+    a = samples(s, "a", [next(_fresh) for _ in range(120)], 6, max_tokens=4, ignore_eos=True)
+    ran = 0
+    while any(r.num_output_tokens < 4 for r in a):
+        leads = {r.parent_id: r for r in reversed(s.running)}
+        room = step_tokens(s.config, s.running, leads, s.waiting, s.step_budget).samples
+        out, _ = step(s)
+        starts = {r.req_id: r.num_computed_tokens for r in out.new_reqs + out.cached_reqs}
+        lead = leads["a"].request_id if "a" in leads else out.new_reqs[0].req_id if out.new_reqs else None
+        bulk = [
+            (starts[r], n) for r, n in out.num_scheduled_tokens.items() if r.startswith("a#") and r != lead
+        ]
+        assert sum(s.step_budget.price(*work) for work in bulk) <= room or len(bulk) == 1
+        ran += len(bulk)
+    assert ran > 6 and s.requests.keys() == {"b"}
+    s.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 600 - 1
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_further_sample_goes_in_once_its_leads_prompt_is_scheduled_and_shares_it(caching):
+    """A's prompt goes in 16 tokens a step; its further samples wait until the last chunk is scheduled,
+    then go in beside it on the prefix cache's 36 tokens (9 full blocks, never the whole prompt). Without
+    prefix caching nothing is shared: they go in at once, each computing its own prompt."""
+    s = make(max_num_batched_tokens=64, long_prefill_token_threshold=16, enable_prefix_caching=caching)
+    samples(s, "a", [next(_fresh) for _ in range(40)], 3, ignore_eos=True)
+    admitted = [[(r.req_id, r.num_computed_tokens) for r in step(s)[0].new_reqs] for _ in range(3)]
+    if caching:
+        assert admitted == [[("a#0", 0)], [], [("a#1", 36), ("a#2", 36)]]
+    else:
+        assert admitted[0] == [("a#0", 0), ("a#1", 0), ("a#2", 0)]
+
+
+def test_a_lone_prompt_goes_in_steps_of_a_few_times_a_steps_fixed_cost():
+    """Alone, a long prompt's chunks are priced as well: each step costs (LONE - 1) x the 20 ms a step costs
+    that computes nothing, at most, so a request that comes meanwhile waits no longer; deeper chunks are
+    smaller. Before anything is measured, full steps."""
+    s = make(
+        max_model_len=2048, num_blocks=600, max_num_batched_tokens=512, max_num_batched_tokens_decoding=4
+    )
+    s.config.step_stretch = 4.0
+    s.step_budget = StepBudget.of(s.config)
+    add(s, "first", 600, max_tokens=1)
+    assert step(s)[0].num_scheduled_tokens == {"first": 512}
+    step(s)
+    measured(s)
+    add(s, "long", 1200, max_tokens=1)
+    chunks = []
+    while "long" in s.requests:
+        start = s.requests["long"].num_computed_tokens
+        n = step(s)[0].num_scheduled_tokens.get("long", 0)
+        assert machine(0, 0, n, query_key_pairs(start, n)) <= StepBudget.LONE * 0.020 + 0.001
+        chunks.append(n)
+    assert chunks[0] >= 2 * chunks[-2] and chunks[:-1] == sorted(chunks[:-1], reverse=True)

@@ -1,9 +1,11 @@
 """The serving step budget that follows measured step times (engine/step_budget.py)."""
 
+import itertools
+
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.step_budget import StepBudget
+from engine.step_budget import StepBudget, query_key_pairs
 
 
 def steps(per_token: float, with_decode_only: bool) -> list[tuple[int, int, int, float]]:
@@ -20,11 +22,11 @@ def steps(per_token: float, with_decode_only: bool) -> list[tuple[int, int, int,
 def test_a_chunk_may_stretch_a_step_to_the_ratio_of_a_decode_step():
     b = StepBudget(stretch=4.0, floor=64, cap=1024)
     assert b.tokens(16) == 64  # nothing measured yet
-    b.observe(16, 1600, 0, 0.042)
+    b.observe(16, 1600, 0, 0.0436)
     assert b.tokens(16) == 64  # a chunk's cost not yet known
     for step in steps(0.001, with_decode_only=True):
         b.observe(*step)
-    fixed, per_row, per_context, per_token = b.costs()
+    fixed, per_row, per_context, per_token, _ = b.costs()
     assert abs(fixed - 0.010) < 1e-3 and abs(per_row - 0.002) < 1e-4 and abs(per_token - 0.001) < 1e-5
     assert abs(per_context - 1e-6) < 1e-7
     # 3 x (10 + 32) ms of room at 1 ms a token beside the 16 decodes; 3 x 2 ms more over 2,000 tokens.
@@ -78,8 +80,53 @@ def test_a_further_sample_is_priced_by_the_context_its_decode_reads():
 def test_the_budget_stays_between_its_floor_and_cap(steps, running, waiting):
     b = StepBudget(stretch=4.0, floor=64, cap=1024)
     for rows, chunk, seconds in steps:
-        b.observe(rows, rows * 300, chunk, seconds)
+        b.observe(rows, rows * 300, chunk, seconds, pairs=chunk * 1000)
         assert 64 <= b.tokens(running, 300 * running, waiting) <= max(1024, 64)
         assert b.tokens(running, 300 * running, waiting) >= min(running, 1024)
         assert b.tokens(running, 300 * running, waiting) >= b.tokens(running, 300 * running)
         assert b.price(300) >= 1
+        # Whatever the fit, a chunk token costs one more per DEPTH tokens of depth at most.
+        assert 50 <= b.price(3000, 50) <= 50 + query_key_pairs(3000, 50) / StepBudget.DEPTH + 1
+        assert 1024 // StepBudget.LONE <= b.lone_tokens() <= 1024
+
+
+def deep_steps() -> list[tuple[int, int, int, float, int]]:
+    """Steps of a machine whose step takes 10 ms + 2 ms a row + 1 µs a token of the rows' context + 1 ms a
+    chunk token + 0.5 µs a query-key pair of the chunks' attention, chunks at several depths."""
+    out = []
+    for k, (rows, tokens, start) in enumerate(itertools.product((0, 4, 16), (0, 48, 300), (0, 1000, 3000))):
+        context, pairs = rows * (100 + 50 * k), query_key_pairs(start, tokens) if tokens else 0
+        if rows or tokens:
+            out.append(
+                (
+                    rows,
+                    context,
+                    tokens,
+                    0.010 + 0.002 * rows + 1e-6 * context + 0.001 * tokens + 5e-7 * pairs,
+                    pairs,
+                )
+            )
+    return out
+
+
+def test_a_chunk_is_priced_by_its_depth_in_its_prompt():
+    """100 tokens from the start cost 100 chunk tokens and 5,050 pairs (2.5 ms): 103; from position 4,000,
+    405,050 pairs (203 ms) more: 303. `most` inverts `price`."""
+    b = StepBudget(stretch=4.0, floor=64, cap=4096)
+    assert b.price(4000, 100) == 100 and b.most(4000, 37) == 37  # nothing measured: a token each
+    for step in deep_steps():
+        b.observe(*step[:4], pairs=step[4])
+    assert abs(b.costs()[4] - 5e-7) < 1e-9 and abs(b.costs()[3] - 0.001) < 1e-5
+    assert b.price(0, 100) == 103 and b.price(4000, 100) == 303
+    assert b.most(0, 103) == 100 and b.most(4000, 303) == 100 and b.most(4000, 302) == 99
+    assert b.most(0, 0) == 0 and b.price(4000) == 6  # a decode over 4,001 tokens: 2 + 4 ms
+
+
+@given(st.integers(0, 8192), st.integers(0, 5000))
+def test_the_most_tokens_a_room_holds_are_priced_within_it(start, room):
+    b = StepBudget(stretch=4.0, floor=64, cap=4096)
+    for step in deep_steps():
+        b.observe(*step[:4], pairs=step[4])
+    n = b.most(start, room)
+    assert n == 0 or b.price(start, n) <= room
+    assert b.price(start, n + 1) > room  # one more would not fit

@@ -128,7 +128,7 @@ class StepBudget:
         fixed, _, _, per_token, _ = self.costs() or (0.0,) * self.N
         if per_token <= 0:
             return self.cap
-        return int(min(self.cap, max(self.cap // self.LONE, (self.LONE - 1) * fixed / self._unit())))
+        return int(min(self.cap, max(1, self.cap // self.LONE, (self.LONE - 1) * fixed / self._unit())))
 
     def _unit(self) -> float:
         """Seconds of a chunk token, as prices count it: at least what DEPTH query-key pairs or context
@@ -248,6 +248,6 @@ def step_tokens(
     room, whole = StepRoom(budget, measured, bulk, bulk), prompt_caps(cfg)[1]
     prompts = [r for r in leads.values() if r.num_computed_tokens < r.num_prompt_tokens]
     long = any(room.long(r, max(r.num_cached_tokens, 0), whole) for r in prompts)
-    if len(leads) < len(running) and (long or waiting.first_tokens > whole):
+    if len(leads) < len(running) and (long or waiting.first_tokens > whole) and bulk > 1:
         return room._replace(chunks=bulk // 2, samples=bulk - bulk // 2)
     return room

@@ -82,7 +82,9 @@ class StepBudget:
                 chunk, pairs = chunk + n, pairs + query_key_pairs(starts[rid], n)
         self.observe(rows, context, chunk, seconds, pairs)
 
-    def observe(self, decode_rows: int, context: int, chunk_tokens: int, seconds: float, pairs: int = 0):
+    def observe(
+        self, decode_rows: int, context: int, chunk_tokens: int, seconds: float, pairs: int = 0
+    ) -> None:
         """One step's composition (single-query rows, the context tokens they read, tokens of multi-token
         chunks, the query-key pairs of the chunks' attention) and its time."""
         x = np.array([1.0, decode_rows, context / 1024, chunk_tokens, pairs / 1024])  # scaled alike
@@ -102,7 +104,7 @@ class StepBudget:
         loss = np.einsum("si,ij,sj->s", beta, xx, beta) - 2 * beta @ self.xt  # squared error, less a constant
         loss[(beta < 0).any(axis=1)] = 0.0
         best = beta[loss.argmin()] if loss.min() < 0 else np.zeros(self.N)
-        return tuple(float(c) / (1024 if i in (2, 4) else 1) for i, c in enumerate(best))  # per token, pair
+        return tuple(float(c) / scale for c, scale in zip(best, (1, 1, 1024, 1, 1024)))  # x's scales undone
 
     def costs(self) -> tuple[float, ...] | None:
         """Seconds of a step: fixed, per row, per context token, per chunk token, per query-key pair of a

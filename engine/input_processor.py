@@ -6,6 +6,7 @@ n samples the core runs as n requests sharing the prompt (and its cached blocks)
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import functools
 import threading
@@ -18,6 +19,7 @@ from engine import structured_output
 from engine.errors import InvalidRequestError
 from engine.messages import EngineCoreRequest
 from engine.params import SamplingParams
+from engine.processes import lower_thread_priority
 
 Prompt = str | list[int]
 Conversation = list[dict[str, Any]]
@@ -73,9 +75,31 @@ class InputProcessor:
             tokenizer = self._local.tokenizer = copy.deepcopy(self._tokenizer)
         return tokenizer
 
+    def encode_at_low_priority(self) -> None:
+        """From now on this thread's `encode` runs the tokenizer's own encoding on a thread at the lowest CPU
+        priority: for work that can wait while the model's threads take the cores (huge prompts)."""
+        self._local.background = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="kiln-encode", initializer=lower_thread_priority
+        )
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """`text`'s token ids. After `encode_at_low_priority`, the fast tokenizer's encoding, which releases
+        the GIL, runs at low priority, and the Python around it, which holds the GIL, stays on this thread:
+        a thread at low priority that holds the GIL while the model's threads keep the cores would stall
+        every other thread of the process (the event loop's included) until it gets a core back."""
+        tokenizer, background = self.tokenizer, getattr(self._local, "background", None)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        # As the tokenizer's own encode calls it: no truncation, no padding, its special tokens kept whole.
+        plain = backend is not None and backend.truncation is None and backend.padding is None
+        if background is None or not plain or backend.encode_special_tokens != tokenizer.split_special_tokens:
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        # The batch call releases the GIL while it encodes; the single one does not.
+        batch = background.submit(backend.encode_batch, [text], add_special_tokens=add_special_tokens)
+        return batch.result()[0].ids
+
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+            return self.encode(prompt, add_special_tokens=True)
         return list(prompt)
 
     def chat_prompt(
@@ -93,7 +117,7 @@ class InputProcessor:
             tokenize=False,
             **(chat_template_kwargs or {}),
         )
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=False)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Check the prompt fits; return params with max_tokens resolved against the context."""

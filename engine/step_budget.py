@@ -50,7 +50,7 @@ class StepBudget:
 
     DECAY = 0.99  # weight of a step one step older: about the last hundred steps count
     RIDGE = 1e-6  # keeps the fit defined before the steps tell every cost apart
-    LONE = 8  # a lone prompt's step: this many times a step's fixed cost, an LONE-th of the cap at least
+    LONE = 8  # a lone request's step: this many times a step's fixed cost, an LONE-th of the cap at least
     DEPTH = 64  # a token deeper in its sequence costs one more chunk token per DEPTH tokens at most
     N = 5  # costs: fixed, per row, per kilo context token, per chunk token, per kilo pair
     SUBSETS = np.array(list(itertools.product((False, True), repeat=N))[1:])  # the costs each fit may use
@@ -120,11 +120,11 @@ class StepBudget:
         if per_token <= 0 or decode_step <= 0:  # no fit yet, or one that prices nothing
             return min(low, self.cap)
         stretch = self.stretch if stretch is None else stretch
-        room = (stretch - 1.0) * (1.0 + waiting / max(running, 1)) * decode_step / per_token
+        room = (stretch - 1.0) * (1.0 + waiting / max(running, 1)) * decode_step / self._unit()  # as priced
         return int(min(self.cap, max(low, running + room)))
 
     def lone_tokens(self) -> int:
-        """Tokens of a step that carries a lone request's prompt: LONE times what a step costs that computes
+        """Tokens of a step that carries a lone request's work: LONE times what a step costs that computes
         nothing, so that its fixed cost stays a small share, while a request that comes meanwhile waits for
         no more than that (cap until measured)."""
         fixed, _, _, per_token, _ = self.costs() or (0.0,) * self.N
@@ -176,7 +176,7 @@ BULK_STRETCH = 1.5
 class StepRoom(NamedTuple):
     """A step's token budget; the measured costs that price work in its tokens (None: a token each); and
     the tokens bulk work may take: the chunks of prompts that cost more than a step, and further samples'
-    work (both unbounded where nothing is measured or a lone request's samples share the step)."""
+    work (both unbounded where nothing is measured)."""
 
     budget: int
     priced: StepBudget | None = None
@@ -215,21 +215,23 @@ def step_tokens(
     waiting: RequestQueue,
     measured: StepBudget | None,
 ) -> StepRoom:
-    """A step that carries decodes has the decoding budget, measured or fixed, with room for every running
-    request's decode at least, or, where other requests' streams share the step or wait for it, for each
-    request's lead (its first running sample; `leads` by request). A measured step stretches as far as
-    the budget's stretch for prompts, further while they wait; bulk work stretches the leads' step by
-    BULK_STRETCH at most, even while a burst's streams settle (full steps, for its prompts); further
-    samples and a prompt longer than a step, both at once, get half of that room each."""
+    """Unmeasured, a step that carries decodes has the decoding budget with room for every running request's
+    decode (full steps while a burst's streams settle). Measured, one request's work alone (its samples,
+    no other client's) goes in a lone request's steps, all of it priced: a request that comes meanwhile
+    waits no longer. Beside other clients, a step has room for each request's lead (its first running
+    sample; `leads` by request) and stretches as far as the budget's stretch for prompts, further while
+    they wait; bulk work stretches the leads' step by BULK_STRETCH at most, even while a burst's streams
+    settle (full steps, for its prompts); further samples and a prompt longer than a step, both at once,
+    get half of that room each."""
     first_waiting = waiting.num_first
     if not cfg.max_num_batched_tokens_decoding:
         return StepRoom(cfg.max_num_batched_tokens)
     decoding = [r for r in running if r.num_computed_tokens >= r.num_prompt_tokens]
     settling = not any(r.num_output_tokens >= cfg.settling_tokens for r in decoding)  # a burst's streams
-    alone = len(leads) + first_waiting <= 1  # one request's samples, no other client's
-    if measured is None or (settling and alone):
-        if settling and measured is not None and not decoding:  # a lone prompt: priced steps
-            return StepRoom(measured.lone_tokens(), measured)
+    if measured is not None and len(leads) + first_waiting <= 1:  # one request's work, no other client's
+        lone = measured.lone_tokens()
+        return StepRoom(lone, measured, lone, lone)
+    if measured is None:
         if settling:
             return StepRoom(cfg.max_num_batched_tokens)
         return StepRoom(
@@ -238,8 +240,6 @@ def step_tokens(
     # What the leads' decodes read: a lead still computing its prompt decodes nothing yet.
     context = sum(r.num_tokens for r in leads.values() if r.num_computed_tokens >= r.num_prompt_tokens)
     budget = measured.tokens(len(leads), context, first_waiting)
-    if alone:
-        return StepRoom(min(cfg.max_num_batched_tokens, max(budget, len(running))))
     budget = (
         cfg.max_num_batched_tokens if settling else min(cfg.max_num_batched_tokens, max(budget, len(leads)))
     )

@@ -156,8 +156,7 @@ class StructuredOutputManager:
         self.executor = llguidance.LLExecutor() if parallel_masks else None
         self.cache: OrderedDict[bytes, Future] = OrderedDict()  # grammar digest -> its compile
         self.waiters: dict[Future, int] = {}  # a compile -> live requests that took it while it was running
-        self._tokenizer: llguidance.LLTokenizer | None = None
-        self._lock = threading.Lock()
+        self._tokenizer: Future | None = None  # llguidance's tokenizer, built on the first compile
 
     def grammars(self, so: StructuredOutputsParams, eos_token_id: int | None, n: int = 1) -> list[Grammar]:
         """`n` matchers for `so` (a request's samples), compiling it in the background unless the cache
@@ -171,7 +170,8 @@ class StructuredOutputManager:
         key = _key(text)
         future = self.cache.get(key)
         if future is None:
-            future = self.cache[key] = self.pool.submit(self._compile, text, eos_token_id)
+            tokenizer = self._llg_tokenizer(eos_token_id)
+            future = self.cache[key] = self.pool.submit(self._compile, text, tokenizer)
             if len(self.cache) > CACHE_SIZE:
                 self.cache.popitem(last=False)
         else:
@@ -218,23 +218,30 @@ class StructuredOutputManager:
             if g.error is None and g.matcher.is_error():  # e.g. the parser's step limits: no mask to trust
                 g.fail()
             if g.error is not None:  # only EOS, and accept() ends the request
-                eos = self._tokenizer.eos_token
+                eos = self._tokenizer.result().eos_token
                 mask[i] = 0
                 mask.view(np.uint32)[i, eos // 32] = 1 << (eos % 32)
         return mask
 
-    def _compile(self, text: str, eos_token_id: int | None) -> llguidance.LLMatcher:
-        matcher = llguidance.LLMatcher(self._llg_tokenizer(eos_token_id), text, log_level=0)
+    def _compile(self, text: str, tokenizer: Future) -> llguidance.LLMatcher:
+        matcher = llguidance.LLMatcher(tokenizer.result(), text, log_level=0)
         if matcher.is_error():
             raise ValueError(one_line(matcher.get_error()))
         return matcher
 
-    def _llg_tokenizer(self, eos_token_id: int | None) -> llguidance.LLTokenizer:
-        with self._lock:
-            if self._tokenizer is None:
-                import llguidance.hf
-                from transformers import AutoTokenizer
+    def _llg_tokenizer(self, eos_token_id: int | None) -> Future:
+        """Built once, on a thread at the core's priority: building it holds the GIL for most of a second,
+        which a compile thread, below the model's, would hold while the model's threads keep the cores,
+        and the core's own thread would wait for it."""
+        if self._tokenizer is None:
+            builder = ThreadPoolExecutor(1, "kiln-grammar-tokenizer")
+            self._tokenizer = builder.submit(self._build_tokenizer, eos_token_id)
+            builder.shutdown(wait=False)
+        return self._tokenizer
 
-                hf = AutoTokenizer.from_pretrained(self.tokenizer_dir)
-                self._tokenizer = llguidance.hf.from_tokenizer(hf, self.vocab_size, eos_token_id)
-            return self._tokenizer
+    def _build_tokenizer(self, eos_token_id: int | None) -> llguidance.LLTokenizer:
+        import llguidance.hf
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+        return llguidance.hf.from_tokenizer(hf, self.vocab_size, eos_token_id)

@@ -13,7 +13,6 @@ from typing import Any
 from engine import structured_output
 from engine.errors import EngineOverloadedError
 from engine.params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutputsParams
-from engine.processes import lower_thread_priority
 from server.errors import APIError, as_api_error, bad_param, short
 from server.protocol import _SamplingRequest
 
@@ -107,12 +106,10 @@ SMALL_LANE_BYTES = 16 << 20  # bodies whose work may wait for the small lane at 
 
 
 class Lane:
-    """One worker thread, and the bytes of the request bodies whose work waits for it or runs on it: past
-    `limit` a request is refused (429) before it queues, unless the lane is idle. A `background` lane's
-    thread runs at the lowest CPU priority: where cores are few, the model's threads go first."""
+    """One worker thread, set up by `start`, and the bytes of the request bodies whose work waits for it or
+    runs on it: past `limit` a request is refused (429) before it queues, unless the lane is idle."""
 
-    def __init__(self, name: str, limit: int, background: bool = False) -> None:
-        start = lower_thread_priority if background else None
+    def __init__(self, name: str, limit: int, start: Callable[[], None] | None = None) -> None:
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name, initializer=start)
         self.limit, self.pending = limit, 0
 

@@ -155,8 +155,9 @@ class Serving:
             trust_request_chat_template,
         )
         # Tokenizing, chat templates and grammar checks run off the event loop, on two lanes: bodies from
-        # LARGE_BODY bytes on one, smaller ones on the other, so that huge prompts never hold up the rest.
-        large = Lane("kiln-tokenize-large", 4 * max_body_bytes, background=True)
+        # LARGE_BODY bytes on one, smaller ones on the other, so that huge prompts never hold up the rest;
+        # and where cores are few, the model's threads go before the large lane's encoding.
+        large = Lane("kiln-tokenize-large", 4 * max_body_bytes, llm.processor.encode_at_low_priority)
         self.lanes = (Lane("kiln-tokenize", SMALL_LANE_BYTES), large)
         self.model_name: str = llm.model_name
         self.metrics = ServerMetrics(self.model_name)

@@ -29,13 +29,9 @@ class TokenizeServing:
         if b.messages is not None:
             ids = await s.offload(s.chat_ids, b.messages, b.add_generation_prompt is not False, None)
         elif b.prompt is not None:
-            special, processor = b.add_special_tokens is not False, s.llm.processor
-
-            def encode() -> list[int]:  # the lane's own tokenizer, looked up on its thread
-                return processor.tokenizer.encode(b.prompt, add_special_tokens=special)
-
+            special = b.add_special_tokens is not False
             try:
-                ids = await s.offload(encode)
+                ids = await s.offload(s.llm.processor.encode, b.prompt, special)
             except APIError:
                 raise
             except Exception as e:

@@ -920,3 +920,30 @@ def test_a_lone_prompt_goes_in_steps_of_a_few_times_a_steps_fixed_cost():
         assert machine(0, 0, n, query_key_pairs(start, n)) <= StepBudget.LONE * 0.020 + 0.001
         chunks.append(n)
     assert chunks[0] >= 2 * chunks[-2] and chunks[:-1] == sorted(chunks[:-1], reverse=True)
+
+
+def test_a_lone_requests_samples_go_in_steps_of_a_few_times_a_steps_fixed_cost():
+    """Alone, a request's samples over a deep prompt are priced as its prompt is: each step costs LONE x the
+    20 ms a step costs that computes nothing, besides the lead's own decode, at most, so a request that comes
+    meanwhile waits no longer. Not every sample decodes in every step; all finish, every block free."""
+    s = make(
+        max_model_len=4096, num_blocks=1200, max_num_batched_tokens=512, max_num_batched_tokens_decoding=4
+    )
+    s.config.step_stretch, s.config.max_num_seqs = 4.0, 16
+    s.step_budget = StepBudget.of(s.config)
+    measured(s)
+    a = samples(s, "a", [next(_fresh) for _ in range(2000)], 16, max_tokens=6, ignore_eos=True)
+    lead = machine(1, 2006, 0, 0) - machine(0, 0, 0, 0)  # the deepest the lead's decode reads
+    most = 0
+    while s.has_unfinished_requests():
+        out, _ = step(s)
+        starts = {r.req_id: r.num_computed_tokens for r in out.new_reqs + out.cached_reqs}
+        work = [(starts[r], n) for r, n in out.num_scheduled_tokens.items()]
+        rows = [start + 1 for start, n in work if n == 1]
+        chunks = [(start, n) for start, n in work if n > 1]
+        pairs = sum(query_key_pairs(*chunk) for chunk in chunks)
+        seconds = machine(len(rows), sum(rows), sum(n for _, n in chunks), pairs)
+        assert seconds <= StepBudget.LONE * 0.020 + lead + 0.001
+        most = max(most, len(rows))
+    assert 1 < most < 16 and [r.num_output_tokens for r in a] == [6] * 16
+    assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 1200 - 1

@@ -1078,16 +1078,41 @@ def test_a_client_that_stops_reading_is_dropped_after_the_write_timeout(monkeypa
         thread.join(10)
 
 
-def test_the_large_lane_runs_below_the_model():
+def test_the_large_lane_encodes_below_the_model_and_does_the_rest_at_its_own_priority(smollm2_dir):
+    """The tokenizer's encoding, which releases the GIL, runs on a thread at the lowest priority; the lane's
+    other work, which holds the GIL, at normal priority: a thread that holds the GIL without a core would
+    stall the event loop. The ids are the tokenizer's own."""
+    import itertools
     import os
+
+    from transformers import AutoTokenizer
 
     from server.limits import Lane
 
     def niceness() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
-    large, small = Lane("large", 1, background=True), Lane("small", 1)
-    assert asyncio.run(large.run(niceness, (), 0)) == 19 and asyncio.run(small.run(niceness, (), 0)) == 0
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    processor, before = InputProcessor(tok, 4096, [EOS], len(tok)), set(threading.enumerate())
+    large = Lane("large", 1 << 20, processor.encode_at_low_priority)
+    texts = ["<|im_start|>user\nhéllo  wörld<|im_end|>\n", "a b " * 500]
+    for text, special in itertools.product(texts, [True, False]):
+        ids = asyncio.run(large.run(processor.encode, (text, special), 0))
+        assert ids == tok.encode(text, add_special_tokens=special)
+    assert asyncio.run(large.run(niceness, (), 0)) == 0
+    (encoder,) = [t for t in set(threading.enumerate()) - before if t.name.startswith("kiln-encode")]
+    assert os.getpriority(os.PRIO_PROCESS, encoder.native_id) == 19
+    # While a long text is encoded, this thread runs Python: the encoder holds no GIL.
+    long, got = "kiln fire " * 200_000, []
+    lane = threading.Thread(
+        target=lambda: got.append(asyncio.run(large.run(processor.encode, (long, False), 0)))
+    )
+    lane.start()
+    turns = 0
+    while lane.is_alive():
+        turns += 1
+        time.sleep(0.002)
+    assert len(got[0]) > 200_000 and turns >= 20
 
 
 def test_the_heaps_are_trimmed_once_no_request_has_run_for_a_while(monkeypatch):

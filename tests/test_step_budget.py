@@ -130,3 +130,13 @@ def test_the_most_tokens_a_room_holds_are_priced_within_it(start, room):
     n = b.most(start, room)
     assert n == 0 or b.price(start, n) <= room
     assert b.price(start, n + 1) > room  # one more would not fit
+
+
+def test_a_steps_room_and_the_prices_of_its_work_count_in_the_same_unit():
+    """Where the context's cost sets the unit prices count in (DEPTH), the room a step leaves is counted in
+    it too: the chunk that fills the room beside four streams stretches their step by 2 at most."""
+    b = StepBudget(stretch=2.0, floor=1, cap=4096)
+    b.fit = (0.010, 0.001, 1e-4, 0.001, 1e-6)  # fixed, a row, a context token, a chunk token, a pair
+    decode = 0.010 + 4 * 0.001 + 240 * 1e-4
+    n = b.most(3000, b.tokens(4, 240) - 4)
+    assert n >= 2 and 0.001 * n + 1e-6 * query_key_pairs(3000, n) <= decode

@@ -205,6 +205,35 @@ def test_bad_constraint_is_refused_before_the_engine(llm):
     assert llm.get_stats()["num_running"] == 0 and llm.get_stats()["kv_cache_usage"] == 0.0
 
 
+def test_grammars_compile_below_the_model_and_their_tokenizer_is_built_at_the_cores_priority(
+    tiny_chat_model, monkeypatch
+):
+    """Building llguidance's tokenizer holds the GIL for most of a second: at the lowest priority, without
+    a core, it would stall the core's own thread. Compiles release the GIL and wait below the model."""
+    import os
+
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    manager, seen = StructuredOutputManager(tiny_chat_model, 49152), []
+
+    def recorded(name: str):
+        real = getattr(manager, name)
+
+        def call(*args):
+            seen.append((name, niceness()))
+            return real(*args)
+
+        return call
+
+    for name in ("_build_tokenizer", "_compile"):
+        monkeypatch.setattr(manager, name, recorded(name))
+    grammars = manager.grammars(S(choice=["yes"]), 2) + manager.grammars(S(choice=["no"]), 2)
+    for grammar in grammars:
+        assert grammar.future.result(timeout=60).is_error() is False
+    assert sorted(seen) == [("_build_tokenizer", niceness()), ("_compile", 19), ("_compile", 19)]
+
+
 def test_a_grammar_error_ends_the_request(tiny_chat_model):
     manager = StructuredOutputManager(tiny_chat_model, 49152)
     (grammar,) = manager.grammars(S(choice=["yes"]), eos_token_id=2)
@@ -214,7 +243,7 @@ def test_a_grammar_error_ends_the_request(tiny_chat_model):
     so = sched.schedule()
     (row,) = so.grammar_bitmasks["r"][None]
     assert not row.view(np.uint32)[0] & (1 << 2)  # no EOS before "yes"
-    no = manager._tokenizer.tokenize_str("no")[0]
+    no = manager._tokenizer.result().tokenize_str("no")[0]
     (out,) = sched.update_from_output(so, ModelRunnerOutput(["r"], [[no]]))  # a token outside the mask
     assert out.finish_reason == "abort" and "doesn't satisfy" in out.stop_reason
     assert out.stop_reason.startswith("structured_outputs: ") and sched.kv_cache_manager.usage == 0.0

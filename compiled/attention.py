@@ -37,7 +37,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch._inductor import inductor_prims
+
+from compiled.plan import force_stride_order
 
 
 class Scoring(NamedTuple):
@@ -127,7 +128,7 @@ def decode_attention_reduction(
     block_tables = meta.decode_block_tables
     # q in a buffer of its own: Inductor would otherwise inline its producer (RoPE over the projection's
     # transposed output) into the score loop and compute it again for every page.
-    q = inductor_prims.force_stride_order(q, (H * D, D, 1))
+    q = force_stride_order(q, (H * D, D, 1))
     q, valid = _decode_setup(q, v_cache, block_tables, meta.decode_seq_lens, scoring.window)
     Hkv, G, bs = q.shape[1], q.shape[2], v_cache.shape[3]
     W = block_tables.shape[1]

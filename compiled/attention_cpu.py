@@ -12,7 +12,6 @@ import time
 
 import torch
 from torch import Tensor
-from torch._inductor import inductor_prims
 
 from compiled.attention import (
     AttentionBackend,
@@ -22,6 +21,7 @@ from compiled.attention import (
     softcapped,
     write_kv,
 )
+from compiled.plan import force_stride_order
 
 # The fresh prompts a start-up timing runs: a prefill step's worth of the lengths a chat server meets.
 TIMED_PROMPTS = (384, 320, 256, 256, 192, 128)
@@ -40,7 +40,7 @@ def decode_attention_pages(
     G = H // Hkv
     # q in a buffer of its own: Inductor would otherwise inline its producer (RoPE over the projection's
     # transposed output) into the score loop and compute it again for every page.
-    q = inductor_prims.force_stride_order(q, (H * D, D, 1)).view(B, Hkv, G, D)
+    q = force_stride_order(q, (H * D, D, 1)).view(B, Hkv, G, D)
     rows, first = pages // W, pages % W * bs
     pos = first[:, None] + torch.arange(bs, device=q.device)  # [P, bs]
     keys = seq_lens[rows][:, None]

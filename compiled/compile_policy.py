@@ -92,11 +92,15 @@ def _known(config: object, values: dict) -> dict:
     return {name: value for name, value in values.items() if hasattr(config, name)}
 
 
-# A product and the sum it feeds as one fused multiply-add: Inductor's C++ is compiled without
-# contraction, and decode attention's loops (a multiply and an add per loaded K/V value) run faster with
-# it from cache, with one rounding instead of two.
-_CONTRACT = _known(torch._inductor.config.cpp, {"enable_floating_point_contract_flag": "fast"})
-CPU_CONTRACT = {f"cpp.{name}": value for name, value in _CONTRACT.items()}
+def cpu_contract() -> dict:
+    """A product and the sum it feeds as one fused multiply-add: Inductor's C++ is compiled without
+    contraction, and decode attention's loops (a multiply and an add per loaded K/V value) run faster with
+    it from cache, with one rounding instead of two. Read when a compile asks: an eager process imports
+    no Inductor."""
+    import torch._inductor.config
+
+    contract = _known(torch._inductor.config.cpp, {"enable_floating_point_contract_flag": "fast"})
+    return {f"cpp.{name}": value for name, value in contract.items()}
 
 
 @contextlib.contextmanager
@@ -177,7 +181,7 @@ class CompilePolicy:
         options = dict(INDUCTOR_FLAGS)
         if device.type == "cpu":
             options.update(CPU_THREADS_FOLLOW_LOAD)
-            options.update(CPU_CONTRACT)
+            options.update(cpu_contract())
         if quantized:
             options.update(quant.INDUCTOR_OPTIONS)
         # Guards stay on module attributes and weights: they tell two models of one process apart.
@@ -294,7 +298,7 @@ class CompilePolicy:
         block = self.decode_graphs.get(plan.kind)
         if block is not None and block is not call_module:  # guard-free: nothing traces, no flags needed
             return self.model(token_ids, positions, meta, plan, self.calls._replace(block=block), hidden)
-        with flags():
+        with contextlib.nullcontext() if self.eager else flags():  # eager: nothing traces, no Dynamo import
             if block is None and plan.decode and self.decode_forward is not None:
                 return self.decode_forward(token_ids, positions, meta, plan, hidden=hidden)
             return self.model(token_ids, positions, meta, plan, self.calls, hidden)

@@ -221,7 +221,7 @@ def load_model(
     tied = args.tie_word_embeddings and model.output is not None
     if tied and isinstance(model.tok_embeddings, nn.Embedding):
         model.output.weight = model.tok_embeddings.weight
-    model.inv_freq = rope_inv_freq(args).to(device)  # built on the meta device above
+    model.inv_freq = rope_inv_freq(args).to(device)
     gemms = quantization in ("int8", "int4", "gguf") and device.type == "cpu" and INT8_GEMMS
     gemms = gemms and tp_size == pp_size == 1
     if quantization == "gguf":  # a file of other block types holds its layers de-quantized

@@ -8,11 +8,12 @@ one step to the next. Fields are bools and strings only: Dynamo would trace an i
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 
 @dataclass(frozen=True)
@@ -52,3 +53,15 @@ class PartCalls(NamedTuple):
 
 
 OWN_CALLS = PartCalls()
+
+
+def force_stride_order(x: Tensor, stride: Sequence[int]) -> Tensor:
+    """`x` laid out with `stride`, copied only where it is not: compiled, through Inductor's own prim, whose
+    layout its passes keep; eager, without importing Inductor, seconds an eager process need not spend."""
+    if torch.compiler.is_compiling():
+        from torch._inductor import inductor_prims
+
+        return inductor_prims.force_stride_order(x, stride)
+    if x.stride() == tuple(stride):
+        return x
+    return torch.empty_strided(x.shape, stride, dtype=x.dtype, device=x.device).copy_(x)

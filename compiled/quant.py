@@ -24,9 +24,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch._inductor import inductor_prims
 
-from compiled.plan import MatmulPlan
+from compiled.plan import MatmulPlan, force_stride_order
 
 TILE = 16  # rows per tile: one AVX-512 vector of float32, two AVX2 ones (eight ran much slower on AVX-512)
 # Several rows de-quantize this many weight rows at a time: a slice stays in cache for its matmul, and
@@ -194,7 +193,7 @@ class PackedWeight(nn.Module):
         xf = x.float().view(m, -1, per_word)  # [M, W, per_word]
         x_sum = xf.sum(-1)
         shift = torch.tensor([2.0 ** (-bits * i) for i in range(per_word - 1)] + [1.0], device=x.device)
-        xs = inductor_prims.force_stride_order(xf * shift, (xf.shape[1] * per_word, per_word, 1))
+        xs = force_stride_order(xf * shift, (xf.shape[1] * per_word, per_word, 1))
         w = self.words
         inner = None
         for i in range(per_word):
@@ -211,7 +210,7 @@ class PackedWeight(nn.Module):
     def _matvec_bytes(self, x: Tensor) -> Tensor:
         """`matvec` on 8-bit fields: per group of a row, scale * sum(fields * x) (+ min * sum(x) if any)."""
         m, (tiles, _, lanes), groups = x.shape[0], self.words.shape, self.scale.shape[1]
-        xf = inductor_prims.force_stride_order(x.float(), x.stride()).view(1, m, groups, self.group, 1)
+        xf = force_stride_order(x.float(), x.stride()).view(1, m, groups, self.group, 1)
         fields = self.words.float().view(tiles, 1, groups, self.group, lanes)
         y = self.scale[:, None] * (fields * xf).sum(3)  # [T, M, groups, TILE]
         if self.min is not None:

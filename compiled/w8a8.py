@@ -33,12 +33,11 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
-from torch._inductor import inductor_prims
 
 from compiled.attention import AttentionMetadata
 from compiled.attention_cpu import fresh_prompt_pages
 from compiled.models.linear import Linear
-from compiled.plan import MatmulPlan, StepPlan
+from compiled.plan import MatmulPlan, StepPlan, force_stride_order
 from compiled.quant import PackedWeight, Quantized, QuantLinear, quantizable
 
 logger = logging.getLogger("kiln.loader")
@@ -137,7 +136,7 @@ class Int8Gemm(nn.Module):
         xs = x.float() * self.inverse
         # Materialised once: fused, the row maxima's pass and the quantizing pass would each recompute the
         # op before (SiLU's exponentials).
-        q, scale = quantize_rows(inductor_prims.force_stride_order(xs, xs.stride()))
+        q, scale = quantize_rows(force_stride_order(xs, xs.stride()))
         return torch.ops.kiln.int8_linear(q, self.prepacked, self.scale, self.zero_points, x.dtype) * scale
 
 

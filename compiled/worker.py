@@ -13,7 +13,6 @@ import threading
 
 import msgspec
 import torch
-import torch._inductor.compile_fx  # what torch.compile imports on first use: loaded with this module
 
 from compiled import compile_policy, parallel
 from compiled.cpu_threads import CpuThreads
@@ -72,8 +71,10 @@ class Worker:
 
     @staticmethod
     def prepare() -> None:
-        """Work that needs no config, started while the engine core waits for its own: on a CPU host,
-        the vector-ISA probe its first compile needs."""
+        """What a compile needs before its config is known, started while the engine core waits for it:
+        the imports torch.compile makes on first use and, on a CPU host, the vector-ISA probe."""
+        import torch._inductor.compile_fx
+
         if not torch.cuda.is_available():
             compile_policy.probe_vector_isa()
 

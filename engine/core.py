@@ -23,7 +23,7 @@ import zmq
 from engine import cluster
 from engine.api_clients import ApiClients
 from engine.config import EngineConfig
-from engine.executor import StepResult, make_executor, worker_class
+from engine.executor import StepResult, make_executor, prepare_worker
 from engine.headless import HOST_FAILED
 from engine.messages import (
     AbortRequests,
@@ -183,13 +183,15 @@ class EngineCoreProc:
         listen: bool = False,
         key_file: str | None = None,
         clients: tuple[str, int] | None = None,
+        prepare: str = "compile",
     ) -> None:
         """`clients`: the launcher's directory and the number of clients, for a core started for several API
-        servers (engine/api_clients.py), which binds its input there."""
+        servers (engine/api_clients.py), which binds its input there; `prepare`: engine/executor.py's."""
         self.ctx = zmq.Context(io_threads=1)
         self.input = self.ctx.socket(zmq.PULL)
         self.output = None if clients else self.ctx.socket(zmq.ROUTER if listen else zmq.PUSH)
         self.listen, self.key_file, self.auth, self.refused = listen, key_file, None, []
+        self.prepare = prepare
         self.session: bytes | None = None
         self.clients = ApiClients(self.ctx, *clients) if clients else None
         if clients:
@@ -222,7 +224,7 @@ class EngineCoreProc:
 
     def run(self) -> None:
         try:
-            worker_class().prepare()  # seconds of imports that overlap the front end's own start
+            prepare_worker(self.prepare)
             start = self._receive()
             while not isinstance(start, StartCore):  # heartbeats, or what a core before this one missed
                 if isinstance(start, Hello) and self.clients is not None:
@@ -346,9 +348,10 @@ class EngineCoreProc:
 
 
 def main() -> None:
-    """`python -m engine.core IN OUT PARENT_PID`, started by a front end; `--shared DIR INDEX CLIENTS
-    PARENT_PID`, by the launcher of several API servers; or `--listen tcp://HOST:PORT [--cluster-key-file
-    FILE]`, headless: waiting there (and on PORT+1) for a front end, until it leaves."""
+    """`python -m engine.core IN OUT PREPARE PARENT_PID`, started by a front end; `--shared DIR INDEX CLIENTS
+    PREPARE PARENT_PID`, by the launcher of several API servers (PREPARE: engine/executor.py's); or
+    `--listen tcp://HOST:PORT [--cluster-key-file FILE]`, headless: waiting there (and on PORT+1) for a
+    front end, until it leaves."""
     logging.basicConfig(
         level=os.environ.get("KILN_LOG_LEVEL", "INFO"),
         stream=sys.stderr,
@@ -364,7 +367,7 @@ def main() -> None:
             proc = EngineCoreProc(
                 sys.argv[2], f"tcp://{host}:{int(port) + 1}", listen=True, key_file=key_file
             )
-            worker_class().prepare()
+            prepare_worker("compile")  # for the front ends to come, whose configs it cannot know
         except Exception:
             logger.exception("the headless engine core cannot start")
             sys.exit(HOST_FAILED)
@@ -383,10 +386,11 @@ def main() -> None:
     signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
     if sys.argv[1] == "--shared":  # DIR INDEX CLIENTS: started for several API servers
-        directory, index, clients = sys.argv[2], sys.argv[3], int(sys.argv[4])
-        EngineCoreProc(f"ipc://{directory}/in{index}", "", clients=(directory, clients)).run()
+        directory, index, clients, prepare = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+        shared = (directory, clients)
+        EngineCoreProc(f"ipc://{directory}/in{index}", "", clients=shared, prepare=prepare).run()
     else:
-        EngineCoreProc(sys.argv[1], sys.argv[2]).run()
+        EngineCoreProc(sys.argv[1], sys.argv[2], prepare=sys.argv[3]).run()
 
 
 if __name__ == "__main__":

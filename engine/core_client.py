@@ -32,6 +32,7 @@ from engine.config import EngineConfig
 from engine.coordinator import Coordinator
 from engine.core_procs import CoreProcess, RemoteCore, SharedCore, release
 from engine.errors import EngineDeadError
+from engine.executor import preparation
 
 logger = logging.getLogger("kiln")
 POLL_MS = 200  # how often a waiting client checks that the core process is alive
@@ -79,7 +80,7 @@ class CoreClient:
             directory, n, clients = shared[0], config.data_parallel_size, int(shared[2])
             self.output.bind(f"ipc://{directory}/out{self.client_index}")
             starts = clients if self.client_index == 0 else None
-            self.cores = [SharedCore(self.ctx, i, directory, starts) for i in range(n)]
+            self.cores = [SharedCore(self.ctx, i, directory, starts, preparation(config)) for i in range(n)]
             if starts:
                 cmd = [sys.executable, "-m", "engine.coordinator", directory, str(n), str(os.getpid())]
                 launched.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
@@ -91,7 +92,8 @@ class CoreClient:
         else:
             self.output.bind(out_addr)
             n = config.data_parallel_size
-            self.cores = [CoreProcess(self.ctx, i, f"ipc://{self.ipc_dir}/in{i}", out_addr) for i in range(n)]
+            inputs, prepare = [f"ipc://{self.ipc_dir}/in{i}" for i in range(n)], preparation(config)
+            self.cores = [CoreProcess(self.ctx, i, inputs[i], out_addr, prepare) for i in range(n)]
         self.ready: m.CoreReady | None = None  # the first core's; every core's budgets are the same
         self.coordinator: Coordinator | None = None
         self.lost: list[tuple[str, list[str]]] = []  # a dead core's message and requests, to fail

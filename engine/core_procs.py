@@ -24,12 +24,12 @@ class CoreProcess:
     ready: m.CoreReady | None = None
     dead: str | None = None
 
-    def __init__(self, ctx: zmq.Context, index: int, in_addr: str, out_addr: str) -> None:
+    def __init__(self, ctx: zmq.Context, index: int, in_addr: str, out_addr: str, prepare: str) -> None:
         self.index = index
         self.input = ctx.socket(zmq.PUSH)
         self.input.bind(in_addr)
         self.proc: subprocess.Popen | None = subprocess.Popen(
-            [sys.executable, "-m", "engine.core", in_addr, out_addr, str(os.getpid())],
+            [sys.executable, "-m", "engine.core", in_addr, out_addr, prepare, str(os.getpid())],
             stdin=subprocess.DEVNULL,
         )
 
@@ -87,12 +87,14 @@ class SharedCore(CoreProcess):
     the launcher's directory. The launcher (`clients` given) starts it; an API server finds it gone once
     its connection ends (the launcher then takes the whole server down)."""
 
-    def __init__(self, ctx: zmq.Context, index: int, directory: str, clients: int | None = None) -> None:
+    def __init__(
+        self, ctx: zmq.Context, index: int, directory: str, clients: int | None = None, prepare: str = ""
+    ) -> None:
         self.index = index
         self.input = ctx.socket(zmq.PUSH)
         self.monitor = self.input.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.input.connect(f"ipc://{directory}/in{index}")
-        cmd = [sys.executable, "-m", "engine.core", "--shared", directory, str(index), str(clients)]
+        cmd = [sys.executable, "-m", "engine.core", "--shared", directory, str(index), str(clients), prepare]
         started = clients is not None
         self.proc = subprocess.Popen([*cmd, str(os.getpid())], stdin=subprocess.DEVNULL) if started else None
 

@@ -42,6 +42,23 @@ def worker_class() -> type:
     return getattr(importlib.import_module(module), name)
 
 
+def preparation(config: EngineConfig) -> str:
+    """What an engine core prepares while it waits for its config (`prepare_worker`): `compile` where its
+    own process compiles the model, `eager` where it runs it eagerly, `none` where workers run it."""
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1 or config.worker_address:
+        return "none"
+    return "eager" if config.enforce_eager else "compile"
+
+
+def prepare_worker(how: str) -> None:
+    """Seconds of imports that overlap the front end's own start, as `preparation` chose them: the worker's
+    module, and where it compiles, what a compile needs first (an eager process imports no Inductor)."""
+    if how != "none":
+        worker = worker_class()
+        if how == "compile":
+            worker.prepare()
+
+
 def make_executor(config: EngineConfig, model_dir: str, gguf_file: str | None = None) -> Executor:
     if config.tensor_parallel_size * config.pipeline_parallel_size == 1 and not config.worker_address:
         return Executor(config, model_dir, gguf_file)

@@ -470,3 +470,29 @@ def test_the_vector_isa_probe_imports_nothing_on_its_thread():
     on_probe, total = run.stdout.rsplit(" ", 1)
     assert on_probe == "[]"
     assert int(total) > 0  # the recorder saw the caller's imports
+
+
+def test_an_eager_worker_imports_neither_dynamo_nor_inductor(tiny_llama):
+    """An engine core that runs its model eagerly prepares no compile: its worker's modules and its steps
+    (chunks, decodes) import neither Dynamo nor Inductor, seconds of every eager start; one that compiles
+    imports what its first compile needs while it waits for its config."""
+    code = textwrap.dedent(f"""
+        import sys
+        from engine.executor import prepare_worker
+        from server.bench.driver import RunnerDriver, build_runner
+        prepare_worker("eager")
+        runner = build_runner({tiny_llama!r}, max_num_seqs=4, num_kv_blocks=8, enforce_eager=True)
+        runner.initialize_kv_cache(8)
+        drv = RunnerDriver(runner, chunk=8)
+        drv.add("a", list(range(1, 20)))
+        drv.add("b", [5, 6, 7])
+        for _ in range(4):
+            drv.step()
+        print(sorted({{m for m in sys.modules if m.startswith(("torch._dynamo", "torch._inductor"))}}))
+        prepare_worker("compile")
+        print("torch._inductor.compile_fx" in sys.modules)
+    """)
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["[]", "True"]

@@ -9,9 +9,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch._inductor import inductor_prims
 
-from compiled.plan import MatmulPlan
+from compiled.plan import MatmulPlan, force_stride_order
 
 
 def _cpu_has_fast_bf16() -> bool:
@@ -53,6 +52,10 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.register_buffer("prepacked", None, persistent=False)  # see pack
 
+    def reset_parameters(self) -> None:
+        """Nothing to draw: the weights come from the checkpoint (and drawn on the meta device, where the
+        model is built, they would import Dynamo)."""
+
     def forward(self, x: Tensor, how: MatmulPlan) -> Tensor:
         if how.matvec:
             return self.matvec(x)
@@ -78,7 +81,7 @@ class Linear(nn.Linear):
     def matvec(self, x: Tensor) -> Tensor:
         """Rows [M, K] -> [M, N] as `ROW_BLOCKS` reductions over blocks of the weight's rows."""
         w, b, dtype = self.weight, self.bias, x.dtype
-        x = inductor_prims.force_stride_order(x.float(), x.stride())
+        x = force_stride_order(x.float(), x.stride())
         n = -(-w.shape[0] // ROW_BLOCKS)
         y = torch.cat(
             [(x[:, None, :] * w[None, i : i + n].float()).sum(-1) for i in range(0, w.shape[0], n)], -1

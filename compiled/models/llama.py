@@ -254,14 +254,16 @@ class Transformer(nn.Module):
         self.split, self.stage = parallel.Split.of(args), pipeline.Stage.of(args)
         # A pipeline stage holds its own layers, the first the embedding, the last the final norm and head.
         stage = self.stage
-        self.tok_embeddings = nn.Embedding(self.split.vocab, args.dim) if stage.has_embedding else None
+        # Given its weight, an embedding draws none (the checkpoint's comes later; see Linear).
+        table = torch.empty(self.split.vocab, args.dim)
+        self.tok_embeddings = nn.Embedding(*table.shape, _weight=table) if stage.has_embedding else None
         windows = (args.windows or (0,) * args.n_layers)[stage.start : stage.end]
         self.layers = nn.ModuleList(TransformerBlock(args, attention, w) for w in windows)
         self.norm = RMSNorm(args.dim, args.norm_eps, args.gemma) if stage.last else None
         self.output = Linear(args.dim, self.split.vocab, bias=False) if stage.last else None
         if args.tie_word_embeddings and stage.last:
             self.output.weight = self.tok_embeddings.weight
-        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.register_buffer("inv_freq", None, persistent=False)  # rope_inv_freq's, once off the meta device
         self.register_buffer("rope_cos", None, persistent=False)  # made by cache_rope
         self.register_buffer("rope_sin", None, persistent=False)
 

@@ -89,9 +89,15 @@ class InputProcessor:
         every other thread of the process (the event loop's included) until it gets a core back."""
         tokenizer, background = self.tokenizer, getattr(self._local, "background", None)
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        # As the tokenizer's own encode calls it: no truncation, no padding, its special tokens kept whole.
-        plain = backend is not None and backend.truncation is None and backend.padding is None
-        if background is None or not plain or backend.encode_special_tokens != tokenizer.split_special_tokens:
+        if background is None or backend is None:
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        from transformers import PreTrainedTokenizerFast  # loaded with the tokenizer
+
+        # As the fast tokenizer's own encode calls it (a class of its own may encode otherwise): no
+        # truncation, no padding, its special tokens kept whole.
+        own = type(tokenizer)._encode_plus is not PreTrainedTokenizerFast._encode_plus
+        split = backend.encode_special_tokens != tokenizer.split_special_tokens
+        if own or split or backend.truncation or backend.padding:
             return tokenizer.encode(text, add_special_tokens=add_special_tokens)
         # The batch call releases the GIL while it encodes; the single one does not.
         batch = background.submit(backend.encode_batch, [text], add_special_tokens=add_special_tokens)

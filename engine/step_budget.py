@@ -230,7 +230,8 @@ def step_tokens(
     settling = not any(r.num_output_tokens >= cfg.settling_tokens for r in decoding)  # a burst's streams
     if measured is not None and len(leads) + first_waiting <= 1:  # one request's work, no other client's
         lone = measured.lone_tokens()
-        return StepRoom(lone, measured, lone, lone)
+        bulk = max(1, lone - len(leads))  # beside its lead's decode, which the budget holds
+        return StepRoom(lone, measured, bulk, bulk)
     if measured is None:
         if settling:
             return StepRoom(cfg.max_num_batched_tokens)

@@ -233,7 +233,8 @@ class StructuredOutputManager:
         """Built once, on a thread at the core's priority: building it holds the GIL for most of a second,
         which a compile thread, below the model's, would hold while the model's threads keep the cores,
         and the core's own thread would wait for it."""
-        if self._tokenizer is None:
+        failed = self._tokenizer is not None and self._tokenizer.done() and self._tokenizer.exception()
+        if self._tokenizer is None or failed:  # built again after a failure, as the next grammar asks
             builder = ThreadPoolExecutor(1, "kiln-grammar-tokenizer")
             self._tokenizer = builder.submit(self._build_tokenizer, eos_token_id)
             builder.shutdown(wait=False)

@@ -947,3 +947,20 @@ def test_a_lone_requests_samples_go_in_steps_of_a_few_times_a_steps_fixed_cost()
         most = max(most, len(rows))
     assert 1 < most < 16 and [r.num_output_tokens for r in a] == [6] * 16
     assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 1200 - 1
+
+
+def test_a_lone_requests_sample_that_costs_more_than_its_step_still_decodes_beside_its_lead():
+    """At 200 ms a row, a further sample's decode costs more than a lone request's step of 7 x 20 ms: it
+    runs beside its lead's decode, one a step, rather than waiting for the lead to finish."""
+    s = make(max_model_len=256, num_blocks=200, max_num_batched_tokens=512, max_num_batched_tokens_decoding=4)
+    s.config.step_stretch, s.config.max_num_seqs = 4.0, 16
+    s.step_budget = StepBudget.of(s.config)
+    for rows, tokens in itertools.product((1, 4, 8), (0, 64, 256)):
+        s.step_budget.observe(rows, rows * 10, tokens, 0.020 + 0.2 * rows + 0.001 * tokens)
+    assert s.step_budget.price(20) > s.step_budget.lone_tokens()
+    a = samples(s, "a", [next(_fresh) for _ in range(20)], 3, max_tokens=6, ignore_eos=True)
+    steps = 0
+    while a[0].num_output_tokens < 6:
+        step(s)
+        steps += 1
+    assert steps <= 7 and sum(r.num_output_tokens for r in a[1:]) >= 4

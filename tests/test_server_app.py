@@ -1101,6 +1101,11 @@ def test_the_large_lane_encodes_below_the_model_and_does_the_rest_at_its_own_pri
         assert ids == tok.encode(text, add_special_tokens=special)
     assert asyncio.run(large.run(niceness, (), 0)) == 0
     (encoder,) = [t for t in set(threading.enumerate()) - before if t.name.startswith("kiln-encode")]
+    # A tokenizer class that encodes its own way (as CodeLlama's fill-in-the-middle) keeps its way.
+    marked = type("Marked", (type(tok),), {"_encode_plus": lambda *a, **k: {"input_ids": [7]}})
+    own = InputProcessor(marked.from_pretrained(smollm2_dir), 4096, [EOS], len(tok))
+    own_lane = Lane("own", 1 << 20, own.encode_at_low_priority)
+    assert asyncio.run(own_lane.run(own.encode, ("hello", True), 0)) == [7]
     assert os.getpriority(os.PRIO_PROCESS, encoder.native_id) == 19
     # While a long text is encoded, this thread runs Python: the encoder holds no GIL.
     long, got = "kiln fire " * 200_000, []

@@ -234,6 +234,24 @@ def test_grammars_compile_below_the_model_and_their_tokenizer_is_built_at_the_co
     assert sorted(seen) == [("_build_tokenizer", niceness()), ("_compile", 19), ("_compile", 19)]
 
 
+def test_a_failed_build_of_the_grammar_tokenizer_is_tried_again(tiny_chat_model, monkeypatch):
+    manager, calls = StructuredOutputManager(tiny_chat_model, 49152), []
+    real = manager._build_tokenizer
+
+    def flaky(eos: int | None):
+        calls.append(eos)
+        if len(calls) == 1:
+            raise OSError("tokenizer files unreadable")
+        return real(eos)
+
+    monkeypatch.setattr(manager, "_build_tokenizer", flaky)
+    (first,) = manager.grammars(S(choice=["yes"]), 2)
+    with pytest.raises(OSError, match="unreadable"):
+        first.future.result(timeout=60)
+    (second,) = manager.grammars(S(choice=["no"]), 2)
+    assert second.future.result(timeout=60).is_error() is False and len(calls) == 2
+
+
 def test_a_grammar_error_ends_the_request(tiny_chat_model):
     manager = StructuredOutputManager(tiny_chat_model, 49152)
     (grammar,) = manager.grammars(S(choice=["yes"]), eos_token_id=2)

@@ -88,7 +88,7 @@ class SharedCore(CoreProcess):
     its connection ends (the launcher then takes the whole server down)."""
 
     def __init__(
-        self, ctx: zmq.Context, index: int, directory: str, clients: int | None = None, prepare: str = ""
+        self, ctx: zmq.Context, index: int, directory: str, clients: int | None, prepare: str
     ) -> None:
         self.index = index
         self.input = ctx.socket(zmq.PUSH)

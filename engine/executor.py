@@ -42,10 +42,15 @@ def worker_class() -> type:
     return getattr(importlib.import_module(module), name)
 
 
+def in_process(config: EngineConfig) -> bool:
+    """Whether the engine core's own process runs the model: one rank, no workers elsewhere."""
+    return config.tensor_parallel_size * config.pipeline_parallel_size == 1 and not config.worker_address
+
+
 def preparation(config: EngineConfig) -> str:
     """What an engine core prepares while it waits for its config (`prepare_worker`): `compile` where its
     own process compiles the model, `eager` where it runs it eagerly, `none` where workers run it."""
-    if config.tensor_parallel_size * config.pipeline_parallel_size > 1 or config.worker_address:
+    if not in_process(config):
         return "none"
     return "eager" if config.enforce_eager else "compile"
 
@@ -60,7 +65,7 @@ def prepare_worker(how: str) -> None:
 
 
 def make_executor(config: EngineConfig, model_dir: str, gguf_file: str | None = None) -> Executor:
-    if config.tensor_parallel_size * config.pipeline_parallel_size == 1 and not config.worker_address:
+    if in_process(config):
         return Executor(config, model_dir, gguf_file)
     return MultiprocExecutor(config, model_dir, gguf_file)
 

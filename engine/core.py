@@ -154,7 +154,7 @@ class EngineCore:
             start = time.perf_counter()
             runner_output = self.executor.execute_model(so)
             if (budget := self.scheduler.step_budget) is not None:
-                budget.observe_step(so, time.perf_counter() - start)
+                budget.observe_step(so, time.perf_counter() - start, self.scheduler.requests)
         outputs = failed + self.scheduler.update_from_output(so, runner_output)
         for out in outputs:
             out.scheduled_time = self.scheduled_time.pop(out.request_id, None)  # only on the first output

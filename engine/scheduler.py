@@ -192,9 +192,10 @@ class Scheduler:
             # Bulk work: a further sample's, or a fresh prompt's that costs more than a step, to its end.
             bulky = further or step.long(req, max(req.num_cached_tokens, 0), whole)
             room = min(room, samples_bulk if further else bulk) if bulky else room
-            # A lead's decode is in the budget; other work is priced by the context its attention reads.
-            whole_room = most if further else chunks if bulky else room
-            n, cost = (1, 1) if left == 1 and lead else step.take(start, min(left, cap), room, whole_room)
+            # A lead's decode is in the budget; other work is priced by the context its attention reads,
+            # a further sample's decode less its prompt's, which its lead's reads.
+            alone, shared = (most, req.num_prompt_tokens) if further else (chunks if bulky else room, 0)
+            n, cost = (1, 1) if left == 1 and lead else step.take(start, min(left, cap), room, alone, shared)
             if n <= 0 or cost > room or self._awaits_output(req) or (n == left and not seats):
                 i += 1  # no room, its sampled token still to come, or no seat for its sample
                 continue

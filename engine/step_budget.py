@@ -11,7 +11,7 @@ fewer pauses, and let the waiting prompts in sooner.
 
 Beside other clients' streams the scheduler prices work in chunk tokens at the start of a prompt (`price`):
 a decode by the context it reads, a chunk by its depth in its prompt, whose attention grows with it. And
-bulk work stretches their step by BULK_STRETCH (or to the decoding floor's tokens) at most, waiting
+bulk work stretches their step by BULK_STRETCH at most (a piece of it at least), waiting
 prompts or not: the chunks of a fresh prompt longer than a step may take (max_num_batched_tokens, or
 long_prefill_token_threshold where lower), which goes in at that pace while shorter ones go past it, and
 all the work of a request's further samples (n > 1): their prompts and decodes. So one request's many
@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import math
 import sys
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -36,9 +37,11 @@ if TYPE_CHECKING:
 
 
 class StepBudget:
-    """A step's time as fixed + per single-query row + per context token those rows read + per chunk
-    token + per query-key pair of the chunks' attention (which grows with a chunk's depth in its prompt),
-    fitted by least squares over recent steps (older ones weigh less), no cost below zero. Under a steady
+    """A step's time as fixed + per single-query row + per context token those rows read + per distinct
+    context token (a request's samples read its prompt's pages once a step between them) + per chunk token
+    + per query-key pair of the chunks' attention (which grows with a chunk's depth in its prompt) + per
+    token of a chunk's depth (the context it gathers, whatever its length), fitted by least squares over
+    recent steps (older ones weigh less), no cost below zero. Under a steady
     queue every step carries a chunk, so the fit cannot wait for decode-only steps: it takes all of them;
     and where the steps hardly vary (their rows and context grow together), the non-negative fit gives a
     cost to what explains the time rather than trading a negative one against another.
@@ -49,47 +52,78 @@ class StepBudget:
     """
 
     DECAY = 0.99  # weight of a step one step older: about the last hundred steps count
-    RIDGE = 1e-6  # keeps the fit defined before the steps tell every cost apart
+    # Keeps the fit defined before the steps tell every cost apart; until they tell a distinct context
+    # token from any other, it is any other's: no discount for the samples that share a prompt.
+    RIDGE = np.diag([1e-6, 1e-6, 1e-6, 1e-3, 1e-6, 1e-6, 1e-6])
+    # Every PROBE-th step beside other clients' streams carries no bulk work: steps that always carry
+    # some cannot tell the streams' own step from a fixed cost, and the room for bulk work is its share.
+    PROBE = 8
     LONE = 8  # a lone request's step: this many times a step's fixed cost, an LONE-th of the cap at least
     DEPTH = 64  # a token deeper in its sequence costs one more chunk token per DEPTH tokens at most
-    N = 5  # costs: fixed, per row, per kilo context token, per chunk token, per kilo pair
+    N = 7  # costs: fixed, per row, per kilo context token and distinct one, per chunk token, per kilo pair,
+    SCALES = (1, 1, 1024, 1024, 1, 1024, 1024)  # per kilo token of depth
     SUBSETS = np.array(list(itertools.product((False, True), repeat=N))[1:])  # the costs each fit may use
 
-    def __init__(self, stretch: float, floor: int, cap: int) -> None:
+    def __init__(self, stretch: float, floor: int, cap: int, shared_prompts: bool = True) -> None:
         self.stretch, self.floor, self.cap = stretch, floor, cap
+        self.shared_prompts = shared_prompts  # a request's samples decode over one copy of its prompt
         self.xx = np.zeros((self.N, self.N))  # weighted sums of x xᵀ, x = (1, rows, context / 1024, ...)
         self.xt = np.zeros(self.N)  # weighted sums of x · seconds
         self.seen_rows = self.seen_tokens = False
+        self.steps = 0  # observed
         self.fit: tuple[float, ...] | None = None  # costs(), solved once a step
 
     @classmethod
     def of(cls, cfg: SchedulerConfig) -> StepBudget | None:
         if not cfg.step_stretch or not cfg.enable_chunked_prefill:  # its room cuts prompts into chunks
             return None
-        return cls(cfg.step_stretch, cfg.max_num_batched_tokens_decoding, cfg.max_num_batched_tokens)
+        floor, cap = cfg.max_num_batched_tokens_decoding, cfg.max_num_batched_tokens
+        return cls(cfg.step_stretch, floor, cap, cfg.enable_prefix_caching)
 
-    def observe_step(self, so: SchedulerOutput, seconds: float) -> None:
+    def observe_step(self, so: SchedulerOutput, seconds: float, requests: Mapping[str, Request]) -> None:
         """A step's time, with its composition read from its plan: each request's tokens and where they
-        start (its prompt's cached or computed part)."""
+        start (its prompt's cached or computed part), and which client request each sample is of."""
         starts = {r.req_id: r.num_computed_tokens for r in itertools.chain(so.new_reqs, so.cached_reqs)}
-        rows = context = chunk = pairs = 0
+        rows = context = chunk = pairs = depth = 0
+        reads: dict[str, list[int]] = {}  # by client request: the context of each decode, its prompt's
         for rid, n in so.num_scheduled_tokens.items():
             if rid in so.spec_tokens:  # a verification: its rows count, not its context
                 rows += n
             elif n == 1:
                 rows, context = rows + 1, context + starts[rid] + 1
+                req = requests.get(rid)
+                parent, prompt = (req.parent_id, req.num_prompt_tokens) if req else (rid, 0)
+                reads.setdefault(parent, [prompt]).append(starts[rid] + 1)
             else:
-                chunk, pairs = chunk + n, pairs + query_key_pairs(starts[rid], n)
-        self.observe(rows, context, chunk, seconds, pairs)
+                chunk, pairs, depth = chunk + n, pairs + query_key_pairs(starts[rid], n), depth + starts[rid]
+        distinct = sum(self.distinct(ctx[1:], ctx[0]) for ctx in reads.values())
+        self.observe(rows, context, chunk, seconds, pairs, distinct, depth)
+
+    def distinct(self, contexts: list[int], prompt: int) -> int:
+        """Context tokens that one request's decodes over `contexts` read between them: its prompt once
+        where its samples share its pages."""
+        if not self.shared_prompts or len(contexts) < 2:
+            return sum(contexts)
+        return max(contexts) + sum(max(0, c - prompt) for c in contexts) - max(0, max(contexts) - prompt)
 
     def observe(
-        self, decode_rows: int, context: int, chunk_tokens: int, seconds: float, pairs: int = 0
+        self,
+        decode_rows: int,
+        context: int,
+        chunk_tokens: int,
+        seconds: float,
+        pairs: int = 0,
+        distinct: int | None = None,
+        depth: int = 0,
     ) -> None:
-        """One step's composition (single-query rows, the context tokens they read, tokens of multi-token
-        chunks, the query-key pairs of the chunks' attention) and its time."""
-        x = np.array([1.0, decode_rows, context / 1024, chunk_tokens, pairs / 1024])  # scaled alike
+        """One step's composition (single-query rows, the context tokens they read, the distinct ones
+        among them (default: all), tokens of multi-token chunks, the query-key pairs of the chunks'
+        attention, the chunks' depths in all) and its time."""
+        distinct = context if distinct is None else distinct
+        x = np.array([1.0, decode_rows, context, distinct, chunk_tokens, pairs, depth]) / self.SCALES  # alike
         self.xx = self.DECAY * self.xx + np.outer(x, x)
         self.xt = self.DECAY * self.xt + x * seconds
+        self.steps += 1
         self.seen_rows |= decode_rows > 0
         self.seen_tokens |= chunk_tokens > 0
         if self.seen_rows and self.seen_tokens:
@@ -98,36 +132,46 @@ class StepBudget:
     def _solve(self) -> tuple[float, ...]:
         """Non-negative least squares over the costs: the best of the fits on each subset of them whose
         costs all come out non-negative (the others zero), all subsets solved at once."""
-        xx, keep = self.xx + self.RIDGE * np.eye(self.N), self.SUBSETS
+        xx, keep = self.xx + self.RIDGE, self.SUBSETS
         systems = np.where(keep[:, :, None] & keep[:, None, :], xx, np.eye(self.N))  # the rest solve to 0
         beta = np.linalg.solve(systems, np.where(keep, self.xt, 0.0)[..., None])[..., 0]
         loss = np.einsum("si,ij,sj->s", beta, xx, beta) - 2 * beta @ self.xt  # squared error, less a constant
         loss[(beta < 0).any(axis=1)] = 0.0
         best = beta[loss.argmin()] if loss.min() < 0 else np.zeros(self.N)
-        return tuple(float(c) / scale for c, scale in zip(best, (1, 1, 1024, 1, 1024)))  # x's scales undone
+        return tuple(float(c) / scale for c, scale in zip(best, self.SCALES))  # x's scales undone
+
+    def probing(self) -> bool:
+        """Whether the next step beside other clients' streams is one without bulk work."""
+        return self.steps % self.PROBE == self.PROBE - 1
 
     def costs(self) -> tuple[float, ...] | None:
-        """Seconds of a step: fixed, per row, per context token, per chunk token, per query-key pair of a
-        chunk; None until both kinds of work were seen."""
+        """Seconds of a step: fixed, per row, per context token, per distinct context token, per chunk
+        token, per query-key pair of a chunk; None until both kinds of work were seen."""
         return self.fit
 
     def tokens(self, running: int, context: int = 0, waiting: int = 0, stretch: float | None = None) -> int:
         """Tokens of a step that carries `running` streams' decodes over `context` tokens in all while
         `waiting` requests wait, stretched by `stretch` (default: the budget's)."""
-        low = max(self.floor, running)
-        fixed, per_row, per_context, per_token, _ = self.costs() or (0.0,) * self.N
-        decode_step = fixed + per_row * running + per_context * context
+        low, room = max(self.floor, running), self.room(running, context, waiting, stretch)
+        return min(low, self.cap) if room is None else int(min(self.cap, max(low, running + room)))
+
+    def room(
+        self, running: int, context: int = 0, waiting: int = 0, stretch: float | None = None
+    ) -> float | None:
+        """Chunk tokens, as priced, that stretch the decodes of `running` streams over `context` tokens by
+        `stretch` (more while `waiting` requests wait); None without a fit that prices them."""
+        fixed, per_row, per_context, per_distinct, per_token, *_ = self.costs() or (0.0,) * self.N
+        decode_step = fixed + per_row * running + (per_context + per_distinct) * context  # each its own
         if per_token <= 0 or decode_step <= 0:  # no fit yet, or one that prices nothing
-            return min(low, self.cap)
+            return None
         stretch = self.stretch if stretch is None else stretch
-        room = (stretch - 1.0) * (1.0 + waiting / max(running, 1)) * decode_step / self._unit()  # as priced
-        return int(min(self.cap, max(low, running + room)))
+        return (stretch - 1.0) * (1.0 + waiting / max(running, 1)) * decode_step / self._unit()
 
     def lone_tokens(self) -> int:
         """Tokens of a step that carries a lone request's work: LONE times what a step costs that computes
         nothing, so that its fixed cost stays a small share, while a request that comes meanwhile waits for
         no more than that (cap until measured)."""
-        fixed, _, _, per_token, _ = self.costs() or (0.0,) * self.N
+        fixed, _, _, _, per_token, *_ = self.costs() or (0.0,) * self.N
         if per_token <= 0:
             return self.cap
         return int(min(self.cap, max(1, self.cap // self.LONE, (self.LONE - 1) * fixed / self._unit())))
@@ -136,27 +180,35 @@ class StepBudget:
         """Seconds of a chunk token, as prices count it: at least what DEPTH query-key pairs or context
         tokens cost. A fit that gives chunk tokens next to nothing (few chunks among many decodes) would
         otherwise price every chunk and decode out of any step."""
-        _, _, per_context, per_token, per_pair = self.costs() or (0.0,) * self.N
-        return max(per_token, self.DEPTH * max(per_pair, per_context))
+        _, _, per_context, per_distinct, per_token, per_pair, _ = self.costs() or (0.0,) * self.N
+        return max(per_token, self.DEPTH * max(per_pair, per_context + per_distinct))
 
-    def price(self, start: int, n: int = 1) -> int:
+    def price(self, start: int, n: int = 1, shared: int = 0) -> int:
         """Chunk tokens at the start of a prompt that cost what `n` query tokens from position `start` do:
-        a single query (a decode) reads `start + 1` tokens' keys and values; a chunk's attention grows with
-        its depth. `n` without a fit."""
-        _, per_row, per_context, per_token, per_pair = self.costs() or (0.0,) * self.N
+        a single query (a decode) reads `start + 1` tokens' keys and values, of which `shared` another row
+        of the step reads too; a chunk's attention grows with its depth, and gathers it. `n` without a fit."""
+        _, per_row, per_context, per_distinct, per_token, per_pair, _ = self.costs() or (0.0,) * self.N
         if per_token <= 0:
             return n
         if n == 1:
-            return max(1, round((per_row + per_context * (start + 1)) / self._unit()))
-        return n + round(per_pair * query_key_pairs(start, n) / self._unit())
+            own = start + 1 - min(start, shared * self.shared_prompts)  # of its context, read by no other row
+            read = per_context * (start + 1) + per_distinct * own
+            return max(1, round((per_row + read) / self._unit()))
+        return n + round(per_pair * query_key_pairs(start, n) / self._unit()) + self.depth_price(start)
+
+    def depth_price(self, start: int) -> int:
+        """Chunk tokens that a chunk from position `start` costs whatever its length: gathering its depth."""
+        *_, per_token, _, per_depth = self.costs() or (0.0,) * self.N
+        return round(per_depth * start / self._unit()) if per_token > 0 else 0
 
     def most(self, start: int, room: int) -> int:
         """The most query tokens from position `start` whose price is within `room` tokens (0: none)."""
-        _, _, _, per_token, per_pair = self.costs() or (0.0,) * self.N
+        *_, per_token, per_pair, _ = self.costs() or (0.0,) * self.N
         k = per_pair / self._unit() if per_token > 0 else 0.0
-        # price(start, n) ~ n + k n (start + (n + 1) / 2): the positive root of price = room.
+        left = room - self.depth_price(start)
+        # price(start, n) ~ n + k n (start + (n + 1) / 2) + its depth's: the positive root of price = room.
         b = 1 + k * (start + 0.5)
-        n = int(room if k <= 0 else (math.sqrt(b * b + 2 * k * room) - b) / k)
+        n = max(0, int(left if k <= 0 else (math.sqrt(max(0.0, b * b + 2 * k * left)) - b) / k))
         while self.price(start, n + 1) <= room:  # the root is rounded; `price` rounds the pairs' share
             n += 1
         while n > 0 and self.price(start, n) > room:
@@ -189,16 +241,16 @@ class StepRoom(NamedTuple):
         n = req.num_prompt_tokens - hit
         return not req.num_output_tokens and (n if self.priced is None else self.priced.price(hit, n)) > whole
 
-    def take(self, start: int, n: int, room: int, whole: int) -> tuple[int, int]:
+    def take(self, start: int, n: int, room: int, whole: int, shared: int = 0) -> tuple[int, int]:
         """Of `n` query tokens from position `start`, the most whose price fits `room` (none if either is
-        0, one at least otherwise) and their price, counted as `whole` at most: work that no room holds
-        runs alone in a whole one."""
+        0, one at least otherwise) and their price (a decode's less the `shared` context another row reads),
+        counted as `whole` at most: work that no room holds runs alone in a whole one."""
         if room <= 0 or n <= 0:
             return 0, 0
         if self.priced is None:
             return min(n, room), min(n, room)
-        n = max(1, min(n, self.priced.most(start, room)))
-        return n, min(self.priced.price(start, n), whole)
+        n = max(1, min(n, self.priced.most(start, room)))  # one query runs as a decode does, its depth read
+        return n, min(self.priced.price(start, n, shared), whole)
 
 
 def prompt_caps(cfg: SchedulerConfig) -> tuple[int, int]:
@@ -221,8 +273,8 @@ def step_tokens(
     waits no longer. Beside other clients, a step has room for each request's lead (its first running
     sample; `leads` by request) and stretches as far as the budget's stretch for prompts, further while
     they wait; bulk work stretches the leads' step by BULK_STRETCH at most, even while a burst's streams
-    settle (full steps, for its prompts); further samples and a prompt longer than a step, both at once,
-    get half of that room each."""
+    settle (full steps, for its prompts), and takes none of a probing step (StepBudget.PROBE); further
+    samples and a prompt longer than a step, both at once, get half of that room each."""
     first_waiting = waiting.num_first
     if not cfg.max_num_batched_tokens_decoding:
         return StepRoom(cfg.max_num_batched_tokens)
@@ -244,10 +296,14 @@ def step_tokens(
     budget = (
         cfg.max_num_batched_tokens if settling else min(cfg.max_num_batched_tokens, max(budget, len(leads)))
     )
-    stretch = min(measured.stretch, BULK_STRETCH)
-    bulk = max(1, min(budget, measured.tokens(len(leads), context, stretch=stretch)) - len(leads))
-    if not decoding:  # no stream to hold back: bulk work may take a lone prompt's step
+    # Bulk work's room is the stretch's alone: the decoding floor's tokens may cost several decode steps.
+    room = measured.room(len(leads), context, stretch=min(measured.stretch, BULK_STRETCH))
+    most = measured.tokens(len(leads), context) if room is None else len(leads) + int(room)
+    bulk = max(1, min(budget, most) - len(leads))
+    if not decoding and not first_waiting:  # no stream, no first token to hold back: a lone prompt's step
         bulk = max(bulk, min(budget, measured.lone_tokens()))
+    elif measured.probing():
+        bulk = 0
     room, whole = StepRoom(budget, measured, bulk, bulk), prompt_caps(cfg)[1]
     prompts = [r for r in leads.values() if r.num_computed_tokens < r.num_prompt_tokens]
     long = any(room.long(r, max(r.num_cached_tokens, 0), whole) for r in prompts)

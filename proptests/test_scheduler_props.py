@@ -112,7 +112,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         out = sched.schedule()
         sched_tokens = out.num_scheduled_tokens
         if sched.step_budget is not None:  # measured steps: times at random, so any fit prices the work
-            sched.step_budget.observe_step(out, self.rng.uniform(0.001, 0.1) * (1 + len(sched_tokens)))
+            seconds = self.rng.uniform(0.001, 0.1) * (1 + len(sched_tokens))
+            sched.step_budget.observe_step(out, seconds, sched.requests)
         # A step that preempts admits no one: every request running now was running when the victims went.
         for victim in [sched.requests[rid] for rid in out.finished_req_ids if rid in sched.requests]:
             assert victim.status == RequestStatus.PREEMPTED

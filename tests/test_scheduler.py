@@ -677,6 +677,22 @@ def test_further_samples_are_priced_by_their_context_beside_other_requests_strea
     assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 1200 - 1
 
 
+def test_a_step_is_observed_with_the_context_its_decodes_read_between_them(monkeypatch):
+    """A's three samples decode over one 40-token prompt's pages, B over its own: 3 x 41 + 9 context
+    tokens, of which 41 + 2 x 1 (A's samples' own tokens past the prompt) + 9 are distinct."""
+    s = make(max_num_batched_tokens_decoding=16, step_stretch=4.0)
+    samples(s, "a", [next(_fresh) for _ in range(40)], 3, ignore_eos=True)
+    add(s, "b", 8, ignore_eos=True)
+    while any(r.num_output_tokens == 0 for r in s.running) or s.waiting:
+        step(s)
+    seen = []
+    monkeypatch.setattr(s.step_budget, "observe", lambda *args: seen.append(args))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"a#0": 1, "a#1": 1, "a#2": 1, "b": 1}
+    s.step_budget.observe_step(out, 0.05, s.requests)
+    assert seen == [(4, 3 * 41 + 9, 0, 0.05, 0, 41 + 2 + 9, 0)]
+
+
 class FixedPrices:
     """A measured budget that always says `tokens`, and prices a further sample's decode at `price`."""
 
@@ -688,7 +704,13 @@ class FixedPrices:
     def tokens(self, running: int, context: int = 0, waiting: int = 0, stretch: float | None = None) -> int:
         return self.tokens_
 
-    def price(self, start: int, n: int = 1) -> int:
+    def room(self, running: int, context: int = 0, waiting: int = 0, stretch: float | None = None) -> float:
+        return self.tokens(running, context, waiting, stretch) - running
+
+    def probing(self) -> bool:
+        return False
+
+    def price(self, start: int, n: int = 1, shared: int = 0) -> int:
         return self.price_ if n == 1 else n
 
     def most(self, start: int, room: int) -> int:
@@ -832,11 +854,13 @@ def measured(s: Scheduler) -> None:
         s.step_budget.observe(rows, rows * c, t, machine(rows, rows * c, t, pairs), pairs)
 
 
-def test_a_long_prompts_chunks_shrink_with_depth_so_the_streams_step_stays_bounded():
+@pytest.mark.parametrize("floor", [4, 64])
+def test_a_long_prompts_chunks_shrink_with_depth_so_the_streams_step_stays_bounded(floor):
     """Beside B's stream, a prompt longer than a step goes in as bulk work: each chunk, as the machine
-    computes it, stretches B's step by BULK_STRETCH at most, so the chunks shrink as they go deeper."""
+    computes it, stretches B's step by BULK_STRETCH at most, so the chunks shrink as they go deeper; the
+    decoding floor's 64 tokens (the serving default), which cost three of B's steps here, lend it no room."""
     s = make(
-        max_model_len=2048, num_blocks=600, max_num_batched_tokens=256, max_num_batched_tokens_decoding=4
+        max_model_len=2048, num_blocks=600, max_num_batched_tokens=256, max_num_batched_tokens_decoding=floor
     )
     s.config.step_stretch = 4.0
     s.step_budget = StepBudget.of(s.config)
@@ -854,6 +878,26 @@ def test_a_long_prompts_chunks_shrink_with_depth_so_the_streams_step_stays_bound
             assert machine(1, b.num_tokens - 1, n, query_key_pairs(start, n)) <= BULK_STRETCH * decode + 0.001
             chunks.append(n)
     assert chunks[0] >= 2 * chunks[-1] and chunks == sorted(chunks, reverse=True)
+
+
+def test_prompts_that_come_beside_a_long_one_hold_it_to_the_bulk_room():
+    """Alone, a prompt longer than a step goes in a lone request's steps; once A and B wait for their first
+    tokens, it takes only the bulk room beside their prompts, not a lone step's."""
+    s = make(
+        max_model_len=2048, num_blocks=600, max_num_batched_tokens=256, max_num_batched_tokens_decoding=4
+    )
+    s.config.step_stretch = 4.0
+    s.step_budget = StepBudget.of(s.config)
+    measured(s)
+    add(s, "long", 700, max_tokens=1)
+    alone = step(s)[0].num_scheduled_tokens["long"]
+    add(s, "a", 8)
+    add(s, "b", 8)
+    start = s.requests["long"].num_computed_tokens
+    out, _ = step(s)
+    n = out.num_scheduled_tokens["long"]
+    assert out.num_scheduled_tokens.keys() == {"long", "a", "b"} and n < alone
+    assert s.step_budget.price(start, n) <= s.step_budget.room(3, stretch=BULK_STRETCH)
 
 
 def test_a_requests_further_samples_are_bulk_work_from_their_admission_on():
@@ -883,6 +927,32 @@ def test_a_requests_further_samples_are_bulk_work_from_their_admission_on():
     assert ran > 6 and s.requests.keys() == {"b"}
     s.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
     assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 600 - 1
+
+
+def test_every_probe_th_step_beside_other_streams_carries_no_bulk_work():
+    """A's further samples decode beside B's stream in every step but each PROBE-th, in which the fit sees
+    what the leads' own step costs; the leads decode in every step."""
+    s = make(
+        max_model_len=1024, num_blocks=600, max_num_batched_tokens=256, max_num_batched_tokens_decoding=16
+    )
+    s.config.step_stretch, s.config.max_num_seqs = 4.0, 16
+    s.step_budget = StepBudget.of(s.config)
+    measured(s)
+    add(s, "b", 8, max_tokens=1000, ignore_eos=True)
+    step(s)
+    samples(s, "a", [next(_fresh) for _ in range(120)], 4, max_tokens=500, ignore_eos=True)
+    seen = []  # (probing, further samples decoded) once A's samples are all in
+    for k in range(4 * StepBudget.PROBE):
+        probing = s.step_budget.probing()
+        out, _ = step(s)
+        starts = {r.req_id: r.num_computed_tokens for r in out.cached_reqs}
+        rows = [r for r, n in out.num_scheduled_tokens.items() if n == 1]
+        context = sum(starts.get(r, 0) + 1 for r in rows)
+        s.step_budget.observe_step(out, machine(len(rows), context, 0, 0), s.requests)
+        if k >= 2 * StepBudget.PROBE:
+            assert {"a#0", "b"} <= set(out.num_scheduled_tokens)
+            seen.append((probing, bool(set(out.num_scheduled_tokens) - {"a#0", "b"})))
+    assert seen.count((True, False)) == 2 and seen.count((False, True)) == len(seen) - 2
 
 
 @pytest.mark.parametrize("caching", [True, False])

@@ -26,9 +26,9 @@ def test_a_chunk_may_stretch_a_step_to_the_ratio_of_a_decode_step():
     assert b.tokens(16) == 64  # a chunk's cost not yet known
     for step in steps(0.001, with_decode_only=True):
         b.observe(*step)
-    fixed, per_row, per_context, per_token, _ = b.costs()
+    fixed, per_row, per_context, per_distinct, per_token, *_ = b.costs()
     assert abs(fixed - 0.010) < 1e-3 and abs(per_row - 0.002) < 1e-4 and abs(per_token - 0.001) < 1e-5
-    assert abs(per_context - 1e-6) < 1e-7
+    assert abs(per_context + per_distinct - 1e-6) < 1e-7  # every row its own request: one cost
     # 3 x (10 + 32) ms of room at 1 ms a token beside the 16 decodes; 3 x 2 ms more over 2,000 tokens.
     assert abs(b.tokens(16) - (16 + 126)) <= 1
     assert abs(b.tokens(16, context=2000) - (16 + 132)) <= 1
@@ -57,6 +57,24 @@ def test_waiting_requests_widen_the_room_for_chunks():
     assert abs((b.tokens(16, waiting=16) - 16) - 2 * room) <= 2
     assert b.tokens(16, waiting=8) < b.tokens(16, waiting=16) < b.tokens(16, waiting=32) <= 4096
     assert b.tokens(16, waiting=10_000) == 4096
+
+
+def test_a_requests_samples_read_its_prompt_once_a_step():
+    """A decode costs 2 ms + 0.5 µs a context token + 5 µs a token no other row of the step reads: a
+    request's samples read its 4,000-token prompt's pages once between them. The fit tells the two costs
+    apart; a further sample beside its lead is priced by its own 100 tokens, the lead by all 4,100."""
+    b = StepBudget(stretch=4.0, floor=64, cap=4096)
+    assert b.distinct([4100, 4105, 4103], 4000) == 4105 + 100 + 103
+    assert StepBudget(4.0, 64, 4096, shared_prompts=False).distinct([4100, 4105], 4000) == 8205
+    for samples, good, tokens in itertools.product((0, 1, 4, 16), (1, 4, 8), (0, 64)):
+        rows, context = good + samples, good * 100 + samples * 4100
+        distinct = good * 100 + (4000 + samples * 100 if samples else 0)
+        seconds = 0.010 + 0.002 * rows + 5e-7 * context + 5e-6 * distinct + 0.001 * tokens
+        b.observe(rows, context, tokens, seconds, distinct=distinct)
+    _, _, per_context, per_distinct, *_ = b.costs()
+    assert abs(per_context - 5e-7) < 1e-8 and abs(per_distinct - 5e-6) < 1e-8
+    assert b.price(4099) == 25 and b.price(4099, shared=4000) == 5  # 2 + 2.05 + 20.5 ms; 2 + 2.05 + 0.5
+    assert StepBudget(4.0, 64, 4096, shared_prompts=False).price(4099, shared=4000) == 1  # nothing measured
 
 
 def test_a_further_sample_is_priced_by_the_context_its_decode_reads():
@@ -116,7 +134,7 @@ def test_a_chunk_is_priced_by_its_depth_in_its_prompt():
     assert b.price(4000, 100) == 100 and b.most(4000, 37) == 37  # nothing measured: a token each
     for step in deep_steps():
         b.observe(*step[:4], pairs=step[4])
-    assert abs(b.costs()[4] - 5e-7) < 1e-9 and abs(b.costs()[3] - 0.001) < 1e-5
+    assert abs(b.costs()[5] - 5e-7) < 1e-9 and abs(b.costs()[4] - 0.001) < 1e-5
     assert b.price(0, 100) == 103 and b.price(4000, 100) == 303
     assert b.most(0, 103) == 100 and b.most(4000, 303) == 100 and b.most(4000, 302) == 99
     assert b.most(0, 0) == 0 and b.price(4000) == 6  # a decode over 4,001 tokens: 2 + 4 ms
@@ -136,7 +154,24 @@ def test_a_steps_room_and_the_prices_of_its_work_count_in_the_same_unit():
     """Where the context's cost sets the unit prices count in (DEPTH), the room a step leaves is counted in
     it too: the chunk that fills the room beside four streams stretches their step by 2 at most."""
     b = StepBudget(stretch=2.0, floor=1, cap=4096)
-    b.fit = (0.010, 0.001, 1e-4, 0.001, 1e-6)  # fixed, a row, a context token, a chunk token, a pair
+    b.fit = (0.010, 0.001, 1e-4, 0.0, 0.001, 1e-6, 0.0)  # fixed, a row, a context token, a token, a pair
     decode = 0.010 + 4 * 0.001 + 240 * 1e-4
     n = b.most(3000, b.tokens(4, 240) - 4)
     assert n >= 2 and 0.001 * n + 1e-6 * query_key_pairs(3000, n) <= decode
+
+
+def test_a_chunk_after_context_pays_for_its_depth_whatever_its_length():
+    """A chunk from position p also costs 30 µs a token of p (it gathers its context): the fit finds it;
+    12 tokens from 3,000 cost 12 + 18 (their pairs) + 90 (the depth) tokens, and `most` leaves the depth
+    out of the room, down to a lone query, which runs as a decode row does."""
+    b = StepBudget(stretch=4.0, floor=64, cap=4096)
+    for rows, tokens, start in itertools.product((0, 4, 16), (0, 12, 64, 256), (0, 1000, 3000)):
+        context, pairs = rows * 200, query_key_pairs(start, tokens) if tokens else 0
+        depth = start if tokens else 0
+        seconds = 0.010 + 0.002 * rows + 1e-6 * context + 0.001 * tokens + 5e-7 * pairs + 3e-5 * depth
+        if rows or tokens:
+            b.observe(rows, context, tokens, seconds, pairs, depth=depth)
+    assert abs(b.costs()[6] - 3e-5) < 1e-8 and b.depth_price(3000) == 90 and b.depth_price(0) == 0
+    assert b.price(3000, 12) == 12 + 18 + 90 and b.price(0, 12) == 12
+    assert b.most(3000, 120) == 12 and b.most(3000, 100) == 4
+    assert b.most(3000, 94) == 1 and b.most(3000, b.price(3000) - 1) == 0

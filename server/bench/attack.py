@@ -28,6 +28,9 @@ from server.bench.soak import Watch, _rss, engine_core_pid, engine_gauges
 TTFT_RATIO, ITL_RATIO, RSS_RETURN = 2.0, 1.5, 1.1
 SETTLE_S = 5.0  # seconds idle before the memory after the attack is read
 PACE_S = 0.1  # an attack starts again this long after it last started, at the soonest
+# A good client waits up to this long (at random) before each request: clients in lockstep would put their
+# prompts in the same steps, never beside each other's streams, as real clients and attacked ones do.
+THINK_S = 0.5
 # README's bounds for the default model on a 24 GiB host: the core's is its KV cache (25 % of RAM), which it
 # commits as blocks are first used (so it is not expected back once idle), plus the weights and about 2 GiB.
 RSS_LIMIT_MIB = {"server": 2048, "engine_core": 8192}
@@ -51,7 +54,7 @@ class Good:
 
     async def loop(self, stop: asyncio.Event, seed: int) -> None:
         rng = random.Random(seed)
-        while not stop.is_set():
+        while not await _stopped(stop, rng.uniform(0.0, THINK_S)):
             words = " ".join(rng.choice(WORDS) for _ in range(12))
             body = {
                 "model": self.model,

@@ -900,9 +900,8 @@ def test_prompts_that_come_beside_a_long_one_hold_it_to_the_bulk_room():
     assert s.step_budget.price(start, n) <= s.step_budget.room(3, stretch=BULK_STRETCH)
 
 
-def test_a_requests_further_samples_are_bulk_work_from_their_admission_on():
-    """Beside B's stream, A's further samples (their prompts, first tokens and decodes alike) take no more
-    than the bulk room in any step, or one of them where one costs more; all finish, every block free."""
+def beside_a_stream() -> Scheduler:
+    """A measured scheduler (`machine`'s fit) whose B streams."""
     s = make(
         max_model_len=1024, num_blocks=600, max_num_batched_tokens=256, max_num_batched_tokens_decoding=16
     )
@@ -911,6 +910,13 @@ def test_a_requests_further_samples_are_bulk_work_from_their_admission_on():
     measured(s)
     add(s, "b", 8, max_tokens=1000, ignore_eos=True)
     step(s)
+    return s
+
+
+def test_a_requests_further_samples_are_bulk_work_from_their_admission_on():
+    """Beside B's stream, A's further samples (their prompts, first tokens and decodes alike) take no more
+    than the bulk room in any step, or one of them where one costs more; all finish, every block free."""
+    s = beside_a_stream()
     a = samples(s, "a", [next(_fresh) for _ in range(120)], 6, max_tokens=4, ignore_eos=True)
     ran = 0
     while any(r.num_output_tokens < 4 for r in a):
@@ -932,14 +938,7 @@ def test_a_requests_further_samples_are_bulk_work_from_their_admission_on():
 def test_every_probe_th_step_beside_other_streams_carries_no_bulk_work():
     """A's further samples decode beside B's stream in every step but each PROBE-th, in which the fit sees
     what the leads' own step costs; the leads decode in every step."""
-    s = make(
-        max_model_len=1024, num_blocks=600, max_num_batched_tokens=256, max_num_batched_tokens_decoding=16
-    )
-    s.config.step_stretch, s.config.max_num_seqs = 4.0, 16
-    s.step_budget = StepBudget.of(s.config)
-    measured(s)
-    add(s, "b", 8, max_tokens=1000, ignore_eos=True)
-    step(s)
+    s = beside_a_stream()
     samples(s, "a", [next(_fresh) for _ in range(120)], 4, max_tokens=500, ignore_eos=True)
     seen = []  # (probing, further samples decoded) once A's samples are all in
     for k in range(4 * StepBudget.PROBE):

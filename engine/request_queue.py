@@ -13,9 +13,10 @@ So fcfs is a deque for each sample index: new requests at the back, preempted on
 "priority" a preempted request goes back in at its own priority and arrival: ahead of every later arrival
 of its priority, and behind every more urgent request (a lower priority value). ``pop_into`` keeps the
 scheduler's running requests in the same key order, so that the last of them is the one to preempt.
-``num_first`` counts the live first samples (sample_index 0; a preempted one too), and ``first_tokens``
-their tokens as they were queued. Under sustained overload (a first sample always waiting) a request's
-further samples wait until first samples stop arriving: the admission limits bound that queue.
+``num_first`` counts the live first samples (sample_index 0; a preempted one too), ``first_tokens`` their
+tokens as they were queued, and ``short_tokens`` those of the ones no longer than ``long`` tokens. Under
+sustained overload (a first sample always waiting) a request's further samples wait until first samples
+stop arriving: the admission limits bound that queue.
 
 A queued request that finishes (an abort) is not searched for: ``note_finished`` counts it, and it is
 dropped when it reaches the front, or with every other finished one once they make up over half the
@@ -27,6 +28,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import sys
 from collections.abc import Callable, Iterator
 
 from engine.request import Request
@@ -45,7 +47,7 @@ def _by_sample(req: Request) -> Key:
 class RequestQueue:
     """Waiting requests, the next to admit first, in the order the module's docstring states."""
 
-    def __init__(self, policy: str = "fcfs") -> None:
+    def __init__(self, policy: str = "fcfs", long: int = sys.maxsize) -> None:
         self.key: Callable[[Request], Key] = _by_priority if policy == "priority" else _by_sample
         self._heap: list[tuple[int, int, float, int, Request]] = []  # (*key, place, request)
         self._back = itertools.count()  # places behind every queued request, in insertion order
@@ -54,7 +56,8 @@ class RequestQueue:
         # Live first samples -> their tokens when queued (a sample preempted with a step in flight may
         # still gain its token while it waits).
         self._first: dict[str, int] = {}
-        self.first_tokens = 0
+        self.first_tokens = self.short_tokens = 0
+        self.long = long
 
     @property
     def num_first(self) -> int:
@@ -70,11 +73,14 @@ class RequestQueue:
 
     def _count(self, req: Request) -> None:
         if req.sample_index == 0:
-            self._first[req.request_id] = req.num_tokens
-            self.first_tokens += req.num_tokens
+            self._first[req.request_id] = n = req.num_tokens
+            self.first_tokens += n
+            self.short_tokens += n if n <= self.long else 0
 
     def _uncount(self, req: Request) -> None:
-        self.first_tokens -= self._first.pop(req.request_id, 0)
+        n = self._first.pop(req.request_id, 0)
+        self.first_tokens -= n
+        self.short_tokens -= n if n <= self.long else 0
 
     def prepend_all(self, reqs: list[Request]) -> None:
         """Put back requests popped in this order; they come out in it again."""

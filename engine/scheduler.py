@@ -66,7 +66,7 @@ class Scheduler:
             config.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.requests: dict[str, Request] = {}  # every unfinished request
-        self.waiting = RequestQueue(config.scheduling_policy)
+        self.waiting = RequestQueue(config.scheduling_policy, prompt_caps(config)[1])
         self.running: list[Request] = []  # in the policy's order: the last one is preempted first
         self.finished_req_ids: set[str] = set()  # since the last schedule()
         self.num_preemptions = 0

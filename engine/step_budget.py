@@ -9,14 +9,14 @@ room for chunks grows with the ratio of waiting to running requests. However the
 steps, the running streams pay for the same prompt compute in all; larger steps only gather it into
 fewer pauses, and let the waiting prompts in sooner.
 
-Beside other clients' streams the scheduler prices work in chunk tokens at the start of a prompt (`price`):
-a decode by the context it reads, a chunk by its depth in its prompt, whose attention grows with it. And
-bulk work stretches their step by BULK_STRETCH at most (a piece of it at least), waiting
-prompts or not: the chunks of a fresh prompt longer than a step may take (max_num_batched_tokens, or
-long_prefill_token_threshold where lower), which goes in at that pace while shorter ones go past it, and
-all the work of a request's further samples (n > 1): their prompts and decodes. So one request's many
-samples, or a prompt too long for one step, cannot stretch every step for all the others; and while such a
-prompt waits, further samples leave it half of the bulk room.
+Beside other clients' streams the scheduler prices work in chunk tokens at the start of a prompt
+(`price`): a decode by the context it reads, a chunk by its depth in its prompt, whose attention grows
+with it. And bulk work stretches their step by BULK_STRETCH at most (a piece of it at least, none in one
+step of PROBE), waiting prompts or not: the chunks of a fresh prompt longer than a step may take
+(max_num_batched_tokens, or long_prefill_token_threshold where lower), which goes in at that pace while
+shorter ones go past it, and all the work of a request's further samples (n > 1): their prompts and
+decodes. So one request's many samples, or a prompt too long for one step, cannot stretch every step for
+all the others; and while such a prompt waits, further samples leave it half of the bulk room.
 """
 
 from __future__ import annotations
@@ -48,15 +48,16 @@ class StepBudget:
 
     Invariant: `tokens(n, c, w)` lies in [max(floor, n), cap] when n <= cap, grows with w, and equals
     max(floor, n) until the fit has seen steps with rows and steps with chunks; `price(s, n) >= n`, and
-    `price(s, most(s, room)) <= room`.
+    `price(s, most(s, room)) <= room` where `most(s, room) >= 1`.
     """
 
     DECAY = 0.99  # weight of a step one step older: about the last hundred steps count
     # Keeps the fit defined before the steps tell every cost apart; until they tell a distinct context
     # token from any other, it is any other's: no discount for the samples that share a prompt.
     RIDGE = np.diag([1e-6, 1e-6, 1e-6, 1e-3, 1e-6, 1e-6, 1e-6])
-    # Every PROBE-th step beside other clients' streams carries no bulk work: steps that always carry
-    # some cannot tell the streams' own step from a fixed cost, and the room for bulk work is its share.
+    # One step in PROBE that carries streams' decodes beside bulk work carries none of it: steps that
+    # always carry some cannot tell the streams' own step from a fixed cost, and the room for bulk work
+    # is its share.
     PROBE = 8
     LONE = 8  # a lone request's step: this many times a step's fixed cost, an LONE-th of the cap at least
     DEPTH = 64  # a token deeper in its sequence costs one more chunk token per DEPTH tokens at most
@@ -141,12 +142,14 @@ class StepBudget:
         return tuple(float(c) / scale for c, scale in zip(best, self.SCALES))  # x's scales undone
 
     def probing(self) -> bool:
-        """Whether the next step beside other clients' streams is one without bulk work."""
+        """Whether the next step that carries streams' decodes carries no bulk work (every step that does
+        is observed, so the count moves on)."""
         return self.steps % self.PROBE == self.PROBE - 1
 
     def costs(self) -> tuple[float, ...] | None:
         """Seconds of a step: fixed, per row, per context token, per distinct context token, per chunk
-        token, per query-key pair of a chunk; None until both kinds of work were seen."""
+        token, per query-key pair of a chunk, per token of a chunk's depth; None until both kinds of work
+        were seen."""
         return self.fit
 
     def tokens(self, running: int, context: int = 0, waiting: int = 0, stretch: float | None = None) -> int:
@@ -166,6 +169,12 @@ class StepBudget:
             return None
         stretch = self.stretch if stretch is None else stretch
         return (stretch - 1.0) * (1.0 + waiting / max(running, 1)) * decode_step / self._unit()
+
+    def prompts_room(self, tokens: int, stretch: float) -> int:
+        """Chunk tokens, as priced, that stretch a step of fresh prompts of `tokens` tokens in all by
+        `stretch` (`tokens` without a fit)."""
+        fixed, _, _, _, per_token, *_ = self.costs() or (0.0,) * self.N
+        return int((stretch - 1.0) * (fixed / self._unit() + tokens)) if per_token > 0 else tokens
 
     def lone_tokens(self) -> int:
         """Tokens of a step that carries a lone request's work: LONE times what a step costs that computes
@@ -273,8 +282,10 @@ def step_tokens(
     waits no longer. Beside other clients, a step has room for each request's lead (its first running
     sample; `leads` by request) and stretches as far as the budget's stretch for prompts, further while
     they wait; bulk work stretches the leads' step by BULK_STRETCH at most, even while a burst's streams
-    settle (full steps, for its prompts), and takes none of a probing step (StepBudget.PROBE); further
-    samples and a prompt longer than a step, both at once, get half of that room each."""
+    settle (full steps, for its prompts), and takes none of a probing step (StepBudget.PROBE); with no
+    stream decoding, it takes a lone request's step, or stretches the first step of waiting prompts no
+    longer than a step by BULK_STRETCH where they may start; further samples and a prompt longer than a
+    step, both at once, get half of that room each."""
     first_waiting = waiting.num_first
     if not cfg.max_num_batched_tokens_decoding:
         return StepRoom(cfg.max_num_batched_tokens)
@@ -300,8 +311,11 @@ def step_tokens(
     room = measured.room(len(leads), context, stretch=min(measured.stretch, BULK_STRETCH))
     most = measured.tokens(len(leads), context) if room is None else len(leads) + int(room)
     bulk = max(1, min(budget, most) - len(leads))
-    if not decoding and not first_waiting:  # no stream, no first token to hold back: a lone prompt's step
-        bulk = max(bulk, min(budget, measured.lone_tokens()))
+    if not decoding:  # no stream to hold back: a lone prompt's step, less while short prompts wait
+        lone = measured.lone_tokens()
+        if waiting.short_tokens and len(running) < cfg.max_num_seqs:  # as bulk work stretches streams'
+            lone = min(lone, measured.prompts_room(waiting.short_tokens, BULK_STRETCH))
+        bulk = max(bulk, min(budget, lone))
     elif measured.probing():
         bulk = 0
     room, whole = StepRoom(budget, measured, bulk, bulk), prompt_caps(cfg)[1]

@@ -882,7 +882,7 @@ def test_a_long_prompts_chunks_shrink_with_depth_so_the_streams_step_stays_bound
 
 def test_prompts_that_come_beside_a_long_one_hold_it_to_the_bulk_room():
     """Alone, a prompt longer than a step goes in a lone request's steps; once A and B wait for their first
-    tokens, it takes only the bulk room beside their prompts, not a lone step's."""
+    tokens, it stretches their prompts' step by BULK_STRETCH at most, not by a lone step."""
     s = make(
         max_model_len=2048, num_blocks=600, max_num_batched_tokens=256, max_num_batched_tokens_decoding=4
     )
@@ -893,11 +893,38 @@ def test_prompts_that_come_beside_a_long_one_hold_it_to_the_bulk_room():
     alone = step(s)[0].num_scheduled_tokens["long"]
     add(s, "a", 8)
     add(s, "b", 8)
+    assert s.waiting.short_tokens == 16  # their prompts are no longer than a step
     start = s.requests["long"].num_computed_tokens
     out, _ = step(s)
     n = out.num_scheduled_tokens["long"]
     assert out.num_scheduled_tokens.keys() == {"long", "a", "b"} and n < alone
-    assert s.step_budget.price(start, n) <= s.step_budget.room(3, stretch=BULK_STRETCH)
+    assert s.step_budget.price(start, n) <= s.step_budget.prompts_room(16, BULK_STRETCH)
+
+
+@pytest.mark.parametrize("seats", [1, 8])
+def test_two_long_prompts_with_no_stream_beside_them_both_go_in(seats):
+    """Two prompts longer than a step, the second waiting (for a seat or for room) while the first goes in:
+    with nothing decoding beside them, every step carries as much of them as a lone prompt's step holds,
+    priced, until both have their first token."""
+    s = make(
+        max_model_len=2048, num_blocks=600, max_num_batched_tokens=256, max_num_batched_tokens_decoding=4
+    )
+    s.config.step_stretch, s.config.max_num_seqs = 4.0, seats
+    s.step_budget = StepBudget.of(s.config)
+    measured(s)
+    s.step_budget.steps = StepBudget.PROBE - 1  # a probing step next: none while nothing decodes
+    add(s, "l1", 600, max_tokens=1)
+    step(s)
+    add(s, "l2", 600, max_tokens=1)
+    assert s.waiting.short_tokens == 0 and s.waiting.first_tokens == 600
+    steps = 0
+    while s.has_unfinished_requests():
+        room, out = s.step_budget.lone_tokens(), step(s)[0]
+        starts = {r.req_id: r.num_computed_tokens for r in out.new_reqs + out.cached_reqs}
+        work = [(starts[r], n) for r, n in out.num_scheduled_tokens.items()]
+        assert work and sum(s.step_budget.price(*w) for w in work) <= room + 1
+        steps += 1
+    assert steps <= 30
 
 
 def beside_a_stream() -> Scheduler:

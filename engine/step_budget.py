@@ -38,13 +38,13 @@ if TYPE_CHECKING:
 
 class StepBudget:
     """A step's time as fixed + per single-query row + per context token those rows read + per distinct
-    context token (a request's samples read its prompt's pages once a step between them) + per chunk token
-    + per query-key pair of the chunks' attention (which grows with a chunk's depth in its prompt) + per
-    token of a chunk's depth (the context it gathers, whatever its length), fitted by least squares over
-    recent steps (older ones weigh less), no cost below zero. Under a steady
-    queue every step carries a chunk, so the fit cannot wait for decode-only steps: it takes all of them;
-    and where the steps hardly vary (their rows and context grow together), the non-negative fit gives a
-    cost to what explains the time rather than trading a negative one against another.
+    context token (a request's samples read its prompt's pages once a step between them) + per chunk token +
+    per query-key pair of the chunks' attention (which grows with a chunk's depth in its prompt) + per token
+    of a chunk's depth (the context it gathers, whatever its length), fitted by least squares over recent
+    steps (older ones weigh less), no cost below zero. Under a steady queue every step carries a chunk, so the
+    fit cannot wait for decode-only steps: it takes all of them; and where the steps hardly vary (their rows
+    and context grow together), the non-negative fit gives a cost to what explains the time rather than
+    trading a negative one against another.
 
     Invariant: `tokens(n, c, w)` lies in [max(floor, n), cap] when n <= cap, grows with w, and equals
     max(floor, n) until the fit has seen steps with rows and steps with chunks; `price(s, n) >= n`, and
@@ -61,8 +61,9 @@ class StepBudget:
     PROBE = 8
     LONE = 8  # a lone request's step: this many times a step's fixed cost, an LONE-th of the cap at least
     DEPTH = 64  # a token deeper in its sequence costs one more chunk token per DEPTH tokens at most
-    N = 7  # costs: fixed, per row, per kilo context token and distinct one, per chunk token, per kilo pair,
-    SCALES = (1, 1, 1024, 1024, 1, 1024, 1024)  # per kilo token of depth
+    # Costs: fixed, per row, per kilo context token, per kilo distinct one, per chunk token, per kilo pair,
+    # per kilo token of depth.
+    N, SCALES = 7, (1, 1, 1024, 1024, 1, 1024, 1024)
     SUBSETS = np.array(list(itertools.product((False, True), repeat=N))[1:])  # the costs each fit may use
 
     def __init__(self, stretch: float, floor: int, cap: int, shared_prompts: bool = True) -> None:
@@ -86,7 +87,7 @@ class StepBudget:
         start (its prompt's cached or computed part), and which client request each sample is of."""
         starts = {r.req_id: r.num_computed_tokens for r in itertools.chain(so.new_reqs, so.cached_reqs)}
         rows = context = chunk = pairs = depth = 0
-        reads: dict[str, list[int]] = {}  # by client request: the context of each decode, its prompt's
+        reads: dict[str, tuple[int, list[int]]] = {}  # by client request: its prompt, each decode's context
         for rid, n in so.num_scheduled_tokens.items():
             if rid in so.spec_tokens:  # a verification: its rows count, not its context
                 rows += n
@@ -94,18 +95,18 @@ class StepBudget:
                 rows, context = rows + 1, context + starts[rid] + 1
                 req = requests.get(rid)
                 parent, prompt = (req.parent_id, req.num_prompt_tokens) if req else (rid, 0)
-                reads.setdefault(parent, [prompt]).append(starts[rid] + 1)
+                reads.setdefault(parent, (prompt, []))[1].append(starts[rid] + 1)
             else:
                 chunk, pairs, depth = chunk + n, pairs + query_key_pairs(starts[rid], n), depth + starts[rid]
-        distinct = sum(self.distinct(ctx[1:], ctx[0]) for ctx in reads.values())
+        distinct = sum(self.distinct(contexts, prompt) for prompt, contexts in reads.values())
         self.observe(rows, context, chunk, seconds, pairs, distinct, depth)
 
     def distinct(self, contexts: list[int], prompt: int) -> int:
         """Context tokens that one request's decodes over `contexts` read between them: its prompt once
         where its samples share its pages."""
-        if not self.shared_prompts or len(contexts) < 2:
+        if not self.shared_prompts:
             return sum(contexts)
-        return max(contexts) + sum(max(0, c - prompt) for c in contexts) - max(0, max(contexts) - prompt)
+        return min(prompt, max(contexts)) + sum(max(0, c - prompt) for c in contexts)
 
     def observe(
         self,
@@ -308,8 +309,8 @@ def step_tokens(
         cfg.max_num_batched_tokens if settling else min(cfg.max_num_batched_tokens, max(budget, len(leads)))
     )
     # Bulk work's room is the stretch's alone: the decoding floor's tokens may cost several decode steps.
-    room = measured.room(len(leads), context, stretch=min(measured.stretch, BULK_STRETCH))
-    most = measured.tokens(len(leads), context) if room is None else len(leads) + int(room)
+    stretched = measured.room(len(leads), context, stretch=min(measured.stretch, BULK_STRETCH))
+    most = measured.tokens(len(leads), context) if stretched is None else len(leads) + int(stretched)
     bulk = max(1, min(budget, most) - len(leads))
     if not decoding:  # no stream to hold back: a lone prompt's step, less while short prompts wait
         lone = measured.lone_tokens()

@@ -928,7 +928,7 @@ def test_two_long_prompts_with_no_stream_beside_them_both_go_in(seats):
 
 
 def beside_a_stream() -> Scheduler:
-    """A measured scheduler (`machine`'s fit) whose B streams."""
+    """A measured scheduler (fitted to `machine`) with B's stream running."""
     s = make(
         max_model_len=1024, num_blocks=600, max_num_batched_tokens=256, max_num_batched_tokens_decoding=16
     )

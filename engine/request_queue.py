@@ -14,7 +14,8 @@ So fcfs is a deque for each sample index: new requests at the back, preempted on
 of its priority, and behind every more urgent request (a lower priority value). ``pop_into`` keeps the
 scheduler's running requests in the same key order, so that the last of them is the one to preempt.
 ``num_first`` counts the live first samples (sample_index 0; a preempted one too), ``first_tokens`` their
-tokens as they were queued, and ``short_tokens`` those of the ones no longer than ``long`` tokens. Under
+tokens as they were queued, and ``short_tokens`` those of the unconstrained ones no longer than ``long``
+tokens (``shortest`` the fewest of them), which go in as soon as a step lets them. Under
 sustained overload (a first sample always waiting) a request's further samples wait until first samples
 stop arriving: the admission limits bound that queue.
 
@@ -56,12 +57,18 @@ class RequestQueue:
         # Live first samples -> their tokens when queued (a sample preempted with a step in flight may
         # still gain its token while it waits).
         self._first: dict[str, int] = {}
+        self._short: dict[str, int] = {}  # those of them no longer than `long`, with no grammar to compile
         self.first_tokens = self.short_tokens = 0
         self.long = long
 
     @property
     def num_first(self) -> int:
         return len(self._first)
+
+    @property
+    def shortest(self) -> int:
+        """The tokens of the shortest first sample that `short_tokens` counts (sys.maxsize: none)."""
+        return min(self._short.values(), default=sys.maxsize)
 
     def add(self, req: Request) -> None:
         heapq.heappush(self._heap, (*self.key(req), next(self._back), req))
@@ -75,12 +82,14 @@ class RequestQueue:
         if req.sample_index == 0:
             self._first[req.request_id] = n = req.num_tokens
             self.first_tokens += n
-            self.short_tokens += n if n <= self.long else 0
+            if n <= self.long and req.grammar is None:
+                self._short[req.request_id] = n
+                self.short_tokens += n
 
     def _uncount(self, req: Request) -> None:
         n = self._first.pop(req.request_id, 0)
         self.first_tokens -= n
-        self.short_tokens -= n if n <= self.long else 0
+        self.short_tokens -= self._short.pop(req.request_id, 0)
 
     def prepend_all(self, reqs: list[Request]) -> None:
         """Put back requests popped in this order; they come out in it again."""

@@ -11,12 +11,13 @@ fewer pauses, and let the waiting prompts in sooner.
 
 Beside other clients' streams the scheduler prices work in chunk tokens at the start of a prompt
 (`price`): a decode by the context it reads, a chunk by its depth in its prompt, whose attention grows
-with it. And bulk work stretches their step by BULK_STRETCH at most (a piece of it at least, none in one
-step of PROBE), waiting prompts or not: the chunks of a fresh prompt longer than a step may take
-(max_num_batched_tokens, or long_prefill_token_threshold where lower), which goes in at that pace while
-shorter ones go past it, and all the work of a request's further samples (n > 1): their prompts and
-decodes. So one request's many samples, or a prompt too long for one step, cannot stretch every step for
-all the others; and while such a prompt waits, further samples leave it half of the bulk room.
+with it. And bulk work stretches their step by BULK_STRETCH at most (a piece of it at least; none in one
+step of PROBE, nor in one that lets other clients' prompts in): the chunks of a fresh prompt longer than
+a step may take (max_num_batched_tokens, or long_prefill_token_threshold where lower), which goes in at
+that pace while shorter ones go past it, and all the work of a request's further samples (n > 1): their
+prompts and decodes. So one request's many samples, or a prompt too long for one step, cannot stretch
+every step for all the others; and while such a prompt waits, further samples leave it half of the bulk
+room.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import itertools
 import math
 import sys
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -59,7 +61,10 @@ class StepBudget:
     # always carry some cannot tell the streams' own step from a fixed cost, and the room for bulk work
     # is its share.
     PROBE = 8
-    LONE = 8  # a lone request's step: this many times a step's fixed cost, an LONE-th of the cap at least
+    LONE = 8  # a lone request's step: this many times a step's fixed cost, and LONE_SECONDS' worth at least
+    LONE_SECONDS = 0.5  # another client's request that comes meanwhile waits as long
+    # A tenth of a second within a second of serving several client requests: others are likely back soon.
+    RECENT_LONE_SECONDS, RECENT_S = 0.1, 1.0
     DEPTH = 64  # a token deeper in its sequence costs one more chunk token per DEPTH tokens at most
     # Costs: fixed, per row, per kilo context token, per kilo distinct one, per chunk token, per kilo pair,
     # per kilo token of depth.
@@ -73,6 +78,7 @@ class StepBudget:
         self.xt = np.zeros(self.N)  # weighted sums of x · seconds
         self.seen_rows = self.seen_tokens = False
         self.steps = 0  # observed
+        self.shared_at = -math.inf  # when a step last served several client requests (time.monotonic())
         self.fit: tuple[float, ...] | None = None  # costs(), solved once a step
 
     @classmethod
@@ -99,6 +105,9 @@ class StepBudget:
             else:
                 chunk, pairs, depth = chunk + n, pairs + query_key_pairs(starts[rid], n), depth + starts[rid]
         distinct = sum(self.distinct(contexts, prompt) for prompt, contexts in reads.values())
+        clients = {req.parent_id if (req := requests.get(rid)) else rid for rid in so.num_scheduled_tokens}
+        if len(clients) > 1:
+            self.shared_at = time.monotonic()
         self.observe(rows, context, chunk, seconds, pairs, distinct, depth)
 
     def distinct(self, contexts: list[int], prompt: int) -> int:
@@ -164,32 +173,31 @@ class StepBudget:
     ) -> float | None:
         """Chunk tokens, as priced, that stretch the decodes of `running` streams over `context` tokens by
         `stretch` (more while `waiting` requests wait); None without a fit that prices them."""
-        fixed, per_row, per_context, per_distinct, per_token, *_ = self.costs() or (0.0,) * self.N
+        fixed, per_row, per_context, per_distinct, *_ = self.costs() or (0.0,) * self.N
         decode_step = fixed + per_row * running + (per_context + per_distinct) * context  # each its own
-        if per_token <= 0 or decode_step <= 0:  # no fit yet, or one that prices nothing
+        if self._unit() <= 0 or decode_step <= 0:  # no fit yet, or one that prices nothing
             return None
         stretch = self.stretch if stretch is None else stretch
         return (stretch - 1.0) * (1.0 + waiting / max(running, 1)) * decode_step / self._unit()
 
-    def prompts_room(self, tokens: int, stretch: float) -> int:
-        """Chunk tokens, as priced, that stretch a step of fresh prompts of `tokens` tokens in all by
-        `stretch` (`tokens` without a fit)."""
-        fixed, _, _, _, per_token, *_ = self.costs() or (0.0,) * self.N
-        return int((stretch - 1.0) * (fixed / self._unit() + tokens)) if per_token > 0 else tokens
-
     def lone_tokens(self) -> int:
         """Tokens of a step that carries a lone request's work: LONE times what a step costs that computes
-        nothing, so that its fixed cost stays a small share, while a request that comes meanwhile waits for
-        no more than that (cap until measured)."""
-        fixed, _, _, _, per_token, *_ = self.costs() or (0.0,) * self.N
-        if per_token <= 0:
+        nothing, so that its fixed cost stays a small share, and LONE_SECONDS' worth at least (a prompt's
+        chunks are priced by their depth: a step of fixed tokens would shrink as a long prompt goes deeper);
+        a request that comes meanwhile waits no longer than that. Within RECENT_S of a step that served
+        several client requests, RECENT_LONE_SECONDS' worth alone. Cap until measured."""
+        fixed, *_ = self.costs() or (0.0,) * self.N
+        if (unit := self._unit()) <= 0:
             return self.cap
-        return int(min(self.cap, max(1, self.cap // self.LONE, (self.LONE - 1) * fixed / self._unit())))
+        if time.monotonic() - self.shared_at < self.RECENT_S:  # other clients are likely back soon
+            return int(min(self.cap, max(1, self.RECENT_LONE_SECONDS / unit)))
+        return int(min(self.cap, max(1, self.LONE_SECONDS / unit, (self.LONE - 1) * fixed / unit)))
 
     def _unit(self) -> float:
         """Seconds of a chunk token, as prices count it: at least what DEPTH query-key pairs or context
         tokens cost. A fit that gives chunk tokens next to nothing (few chunks among many decodes) would
-        otherwise price every chunk and decode out of any step."""
+        otherwise price every chunk and decode out of any step; one that gives them none (chunks of one
+        length explained by their pairs) prices them all the same. 0: nothing priced yet."""
         _, _, per_context, per_distinct, per_token, per_pair, _ = self.costs() or (0.0,) * self.N
         return max(per_token, self.DEPTH * max(per_pair, per_context + per_distinct))
 
@@ -197,8 +205,8 @@ class StepBudget:
         """Chunk tokens at the start of a prompt that cost what `n` query tokens from position `start` do:
         a single query (a decode) reads `start + 1` tokens' keys and values, of which `shared` another row
         of the step reads too; a chunk's attention grows with its depth, and gathers it. `n` without a fit."""
-        _, per_row, per_context, per_distinct, per_token, per_pair, _ = self.costs() or (0.0,) * self.N
-        if per_token <= 0:
+        _, per_row, per_context, per_distinct, _, per_pair, _ = self.costs() or (0.0,) * self.N
+        if self._unit() <= 0:
             return n
         if n == 1:
             own = start + 1 - min(start, shared * self.shared_prompts)  # of its context, read by no other row
@@ -208,13 +216,13 @@ class StepBudget:
 
     def depth_price(self, start: int) -> int:
         """Chunk tokens that a chunk from position `start` costs whatever its length: gathering its depth."""
-        *_, per_token, _, per_depth = self.costs() or (0.0,) * self.N
-        return round(per_depth * start / self._unit()) if per_token > 0 else 0
+        per_depth, unit = (self.costs() or (0.0,) * self.N)[-1], self._unit()
+        return round(per_depth * start / unit) if unit > 0 else 0
 
     def most(self, start: int, room: int) -> int:
         """The most query tokens from position `start` whose price is within `room` tokens (0: none)."""
-        *_, per_token, per_pair, _ = self.costs() or (0.0,) * self.N
-        k = per_pair / self._unit() if per_token > 0 else 0.0
+        per_pair, unit = (self.costs() or (0.0,) * self.N)[5], self._unit()
+        k = per_pair / unit if unit > 0 else 0.0
         left = room - self.depth_price(start)
         # price(start, n) ~ n + k n (start + (n + 1) / 2) + its depth's: the positive root of price = room.
         b = 1 + k * (start + 0.5)
@@ -283,10 +291,12 @@ def step_tokens(
     waits no longer. Beside other clients, a step has room for each request's lead (its first running
     sample; `leads` by request) and stretches as far as the budget's stretch for prompts, further while
     they wait; bulk work stretches the leads' step by BULK_STRETCH at most, even while a burst's streams
-    settle (full steps, for its prompts), and takes none of a probing step (StepBudget.PROBE); with no
-    stream decoding, it takes a lone request's step, or stretches the first step of waiting prompts no
-    longer than a step by BULK_STRETCH where they may start; further samples and a prompt longer than a
-    step, both at once, get half of that room each."""
+    settle (full steps, for its prompts), and takes none of a probing step (StepBudget.PROBE) nor of a step
+    that lets waiting prompts no longer than a step in beside the streams (their first tokens and the
+    streams' next ones wait for no bulk work); with no stream decoding, it takes a lone request's step, or
+    a token of a step that lets such prompts in (it keeps moving while they wait for blocks it holds);
+    further samples and a prompt longer than a step, both at once, get half of that room each.
+    """
     first_waiting = waiting.num_first
     if not cfg.max_num_batched_tokens_decoding:
         return StepRoom(cfg.max_num_batched_tokens)
@@ -312,14 +322,15 @@ def step_tokens(
     stretched = measured.room(len(leads), context, stretch=min(measured.stretch, BULK_STRETCH))
     most = measured.tokens(len(leads), context) if stretched is None else len(leads) + int(stretched)
     bulk = max(1, min(budget, most) - len(leads))
-    if not decoding:  # no stream to hold back: a lone prompt's step, less while short prompts wait
-        lone = measured.lone_tokens()
-        if waiting.short_tokens and len(running) < cfg.max_num_seqs:  # as bulk work stretches streams'
-            lone = min(lone, measured.prompts_room(waiting.short_tokens, BULK_STRETCH))
-        bulk = max(bulk, min(budget, lone))
-    elif measured.probing():
-        bulk = 0
-    room, whole = StepRoom(budget, measured, bulk, bulk), prompt_caps(cfg)[1]
+    whole = prompt_caps(cfg)[1]
+    # Other clients' prompts go in: ones that cost no more than a step, with a seat free for them.
+    starting = waiting.short_tokens and len(running) < cfg.max_num_seqs
+    starting = starting and measured.price(0, waiting.shortest) <= whole
+    if not decoding:  # no stream to hold back: a lone prompt's step, a token while others' prompts go in
+        bulk = 1 if starting else max(bulk, min(budget, measured.lone_tokens()))
+    elif measured.probing() or starting:
+        bulk = 0  # the fit's look at the streams' own step; or other clients' prompts go in beside them
+    room = StepRoom(budget, measured, bulk, bulk)
     prompts = [r for r in leads.values() if r.num_computed_tokens < r.num_prompt_tokens]
     long = any(room.long(r, max(r.num_cached_tokens, 0), whole) for r in prompts)
     if len(leads) < len(running) and (long or waiting.first_tokens > whole) and bulk > 1:

@@ -1,5 +1,9 @@
 import itertools
+import math
+import sys
+import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import pytest
 
@@ -9,6 +13,7 @@ from engine.request_queue import RequestQueue
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step import ModelRunnerOutput, SchedulerOutput
 from engine.step_budget import BULK_STRETCH, StepBudget, query_key_pairs, step_tokens
+from engine.structured_output import Grammar
 
 EOS = 0
 _fresh = itertools.count(1000)
@@ -605,6 +610,25 @@ def test_the_priority_queue_puts_back_what_it_popped_in_the_same_order():
     assert [r.request_id for r in fcfs] == ["r4", "r3", "r2", "r1", "r0"]
 
 
+def test_the_queue_counts_the_short_unconstrained_first_samples_that_hold_bulk_work_back():
+    """Of first samples, those of at most `long` tokens with no grammar to compile count as short (the
+    fewest tokens of them `shortest`), through pops, put-backs and aborts alike; further samples never."""
+    q = RequestQueue("fcfs", long=8)
+    short, longer = Request("s", [1] * 5, SamplingParams()), Request("l", [1] * 9, SamplingParams())
+    constrained = Request("c", [1] * 3, SamplingParams(), grammar=Grammar(Future()))
+    further = Request("f", [1] * 2, SamplingParams(), parent_id="l", sample_index=1)
+    for r in (short, longer, constrained, further):
+        q.add(r)
+    assert (q.num_first, q.first_tokens, q.short_tokens, q.shortest) == (3, 17, 5, 5)
+    popped = q.pop()
+    assert popped is short and (q.short_tokens, q.shortest) == (0, sys.maxsize)
+    q.prepend(popped)
+    assert (q.short_tokens, q.shortest) == (5, 5)
+    short.status = RequestStatus.FINISHED_ABORTED
+    q.note_finished([short])
+    assert (q.num_first, q.first_tokens, q.short_tokens) == (2, 12, 0)
+
+
 def samples(s: Scheduler, parent: str, prompt: list[int], n: int, **params) -> list[Request]:
     """A request's n samples, as the engine core queues them."""
     params.setdefault("max_tokens", 100)
@@ -678,19 +702,39 @@ def test_further_samples_are_priced_by_their_context_beside_other_requests_strea
 
 
 def test_a_step_is_observed_with_the_context_its_decodes_read_between_them(monkeypatch):
-    """A's three samples decode over one 40-token prompt's pages, B over its own: 3 x 41 + 9 context
-    tokens, of which 41 + 2 x 1 (A's samples' own tokens past the prompt) + 9 are distinct."""
+    """A's three samples decode over one 40-token prompt's pages, B over its own: of their context tokens
+    the prompt's count once as distinct, and each sample's own past it (B's all of its own)."""
     s = make(max_num_batched_tokens_decoding=16, step_stretch=4.0)
     samples(s, "a", [next(_fresh) for _ in range(40)], 3, ignore_eos=True)
     add(s, "b", 8, ignore_eos=True)
-    while any(r.num_output_tokens == 0 for r in s.running) or s.waiting:
+    while any(r.num_output_tokens < 2 for r in s.running) or s.waiting:
         step(s)
     seen = []
     monkeypatch.setattr(s.step_budget, "observe", lambda *args: seen.append(args))
+    a = [s.requests[f"a#{i}"].num_computed_tokens + 1 for i in range(3)]  # each decode's context
+    b = s.requests["b"].num_computed_tokens + 1
     out = s.schedule()
-    assert out.num_scheduled_tokens == {"a#0": 1, "a#1": 1, "a#2": 1, "b": 1}
+    assert out.num_scheduled_tokens == {"a#0": 1, "a#1": 1, "a#2": 1, "b": 1} and min(a) > 41
     s.step_budget.observe_step(out, 0.05, s.requests)
-    assert seen == [(4, 3 * 41 + 9, 0, 0.05, 0, 41 + 2 + 9, 0)]
+    assert seen == [(4, sum(a) + b, 0, 0.05, 0, 40 + sum(c - 40 for c in a) + b, 0)]
+
+
+def test_a_step_that_serves_several_clients_is_remembered_by_the_time_it_ran():
+    """A step of A's three samples served one client request, a step of A's and B's two: only the second
+    is a reason to keep lone steps short (other clients are likely back soon)."""
+    s = make(max_num_batched_tokens_decoding=16, step_stretch=4.0)
+    samples(s, "a", [next(_fresh) for _ in range(40)], 3, ignore_eos=True)
+    budget = s.step_budget
+    out, _ = step(s)
+    assert len(out.num_scheduled_tokens) == 3  # three requests of one client
+    budget.observe_step(out, 0.05, s.requests)
+    assert budget.shared_at == -math.inf
+    add(s, "b", 8, ignore_eos=True)
+    before = time.monotonic()
+    out, _ = step(s)
+    assert "b" in out.num_scheduled_tokens and len(out.num_scheduled_tokens) > 1
+    budget.observe_step(out, 0.05, s.requests)
+    assert before <= budget.shared_at <= time.monotonic()
 
 
 class FixedPrices:
@@ -740,10 +784,11 @@ class WaitingWidens(FixedPrices):
         return self.tokens_ * (1 + waiting)
 
 
-def test_the_room_waiting_prompts_add_is_not_spent_on_further_samples():
-    """B's lead and A's samples decode (four further ones running, 3 tokens each); then C arrives. Its wait
-    doubles the step's budget, which its prompt may use, but A's further samples still get only the 6
-    tokens the leads' step leaves without it: two of them."""
+def test_a_step_that_lets_another_clients_prompt_in_carries_no_further_sample():
+    """B's lead and A's samples decode (four further ones running, 3 tokens each: two fit the 6 tokens the
+    leads' step leaves); then C arrives. Its wait doubles the step's budget, which its prompt may use, but
+    none of it goes to A's further samples: the step that lets C in carries none, the next one again (C's
+    decode is a lead's now)."""
     s = make(max_num_batched_tokens_decoding=4, max_num_seqs=8)
     add(s, "b", 4, ignore_eos=True)
     samples(s, "a", [next(_fresh) for _ in range(4)], 6, ignore_eos=True)
@@ -752,8 +797,9 @@ def test_the_room_waiting_prompts_add_is_not_spent_on_further_samples():
     assert {r.request_id for r in s.running} == {"b", "a#0", "a#1", "a#2", "a#3", "a#4"}
     assert len(set(step(s)[0].num_scheduled_tokens) - {"a#0", "b"}) == 2
     add(s, "c", 2)
+    assert set(step(s)[0].num_scheduled_tokens) == {"a#0", "b", "c"}
     scheduled = set(step(s)[0].num_scheduled_tokens)
-    assert {"a#0", "b", "c"} <= scheduled and len(scheduled - {"a#0", "b", "c"}) == 2
+    assert {"a#0", "b", "c"} <= scheduled and len(scheduled - {"a#0", "b", "c"}) == 1
 
 
 class BulkStretch(FixedPrices):
@@ -770,8 +816,8 @@ class BulkStretch(FixedPrices):
 @pytest.mark.parametrize("settling", [0, 3], ids=["settled", "settling"])
 def test_a_chunk_that_cannot_end_its_prompt_is_bulk_and_a_shorter_prompt_goes_past_it(settling):
     """Beside B's stream a step may take 40 tokens (settling: the whole 64, a burst's), bulk work 9 (8
-    beside B's decode): the long prompts get 8 tokens, the first of them, and the short prompt behind them
-    its whole 20 at once."""
+    beside B's decode): the short prompt behind the long ones goes in whole at once, in a step that carries
+    no bulk work; then the long prompts get their bulk room, the first of them."""
     s = make(
         max_num_batched_tokens_decoding=4,
         settling_tokens=settling,
@@ -786,10 +832,10 @@ def test_a_chunk_that_cannot_end_its_prompt_is_bulk_and_a_shorter_prompt_goes_pa
     add(s, "longer", 200)
     add(s, "short", 20)
     out, _ = step(s)
-    assert out.num_scheduled_tokens == {"b": 1, "long": 8, "short": 20}
-    assert [r.request_id for r in s.waiting] == ["longer"]  # still first in line
-    out, _ = step(s)  # three leads now: 6 tokens of bulk, all the long prompt's
-    assert out.num_scheduled_tokens == {"b": 1, "short": 1, "long": 6}
+    assert out.num_scheduled_tokens == {"b": 1, "short": 20}
+    assert [r.request_id for r in s.waiting] == ["long", "longer"]  # still first in line
+    out, _ = step(s)  # two leads now: 7 tokens of bulk, all the first long prompt's
+    assert out.num_scheduled_tokens == {"b": 1, "short": 1, "long": 7}
 
 
 def test_further_samples_leave_half_the_bulk_room_to_a_long_prompt():
@@ -836,7 +882,8 @@ def test_a_fit_that_prices_chunk_tokens_near_nothing_still_lets_a_further_sample
     assert s.step_budget.price(0) > 64
     samples(s, "a", [next(_fresh) for _ in range(4)], 3, ignore_eos=True)
     add(s, "b", 4, ignore_eos=True)
-    step(s)
+    while any(r.num_output_tokens == 0 for r in s.running) or s.waiting:  # all of them in
+        step(s)
     for _ in range(3):
         scheduled = step(s)[0].num_scheduled_tokens
         assert {"a#0", "b"} <= set(scheduled) and len(set(scheduled) & {"a#1", "a#2"}) == 1
@@ -880,9 +927,9 @@ def test_a_long_prompts_chunks_shrink_with_depth_so_the_streams_step_stays_bound
     assert chunks[0] >= 2 * chunks[-1] and chunks == sorted(chunks, reverse=True)
 
 
-def test_prompts_that_come_beside_a_long_one_hold_it_to_the_bulk_room():
+def test_prompts_that_come_beside_a_long_one_take_its_step_but_a_token():
     """Alone, a prompt longer than a step goes in a lone request's steps; once A and B wait for their first
-    tokens, it stretches their prompts' step by BULK_STRETCH at most, not by a lone step."""
+    tokens, the step that lets them in carries a token of it (a decode row's work), not a lone step."""
     s = make(
         max_model_len=2048, num_blocks=600, max_num_batched_tokens=256, max_num_batched_tokens_decoding=4
     )
@@ -896,9 +943,24 @@ def test_prompts_that_come_beside_a_long_one_hold_it_to_the_bulk_room():
     assert s.waiting.short_tokens == 16  # their prompts are no longer than a step
     start = s.requests["long"].num_computed_tokens
     out, _ = step(s)
-    n = out.num_scheduled_tokens["long"]
-    assert out.num_scheduled_tokens.keys() == {"long", "a", "b"} and n < alone
-    assert s.step_budget.price(start, n) <= s.step_budget.prompts_room(16, BULK_STRETCH)
+    assert out.num_scheduled_tokens == {"long": 1, "a": 8, "b": 8} and alone > 1 and start == alone
+
+
+def test_a_prompt_no_longer_than_a_step_but_priced_past_it_is_bulk_work_that_goes_in_beside_a_stream():
+    """400 tokens fit a step of 512, but their attention prices them past it (bulk work): waiting beside
+    B's stream, they do not hold bulk work back as a short prompt would, or they could never go in."""
+    s = make(
+        max_model_len=2048, num_blocks=600, max_num_batched_tokens=512, max_num_batched_tokens_decoding=4
+    )
+    s.config.step_stretch = 4.0
+    s.step_budget = StepBudget.of(s.config)
+    measured(s)
+    add(s, "b", 4, ignore_eos=True)
+    step(s)
+    add(s, "mid", 400, max_tokens=1)
+    assert s.step_budget.price(0, 400) > 512 and s.waiting.shortest == 400
+    ran = [step(s)[0].num_scheduled_tokens.get("mid", 0) for _ in range(4)]
+    assert sum(ran) > 0 and "b" in s.requests
 
 
 @pytest.mark.parametrize("seats", [1, 8])
@@ -995,10 +1057,10 @@ def test_a_further_sample_goes_in_once_its_leads_prompt_is_scheduled_and_shares_
         assert admitted[0] == [("a#0", 0), ("a#1", 0), ("a#2", 0)]
 
 
-def test_a_lone_prompt_goes_in_steps_of_a_few_times_a_steps_fixed_cost():
-    """Alone, a long prompt's chunks are priced as well: each step costs (LONE - 1) x the 20 ms a step costs
-    that computes nothing, at most, so a request that comes meanwhile waits no longer; deeper chunks are
-    smaller. Before anything is measured, full steps."""
+def test_a_lone_prompt_goes_in_steps_of_half_a_second():
+    """Alone, a long prompt's chunks are priced as well: each step costs half a second (LONE_SECONDS) besides
+    its fixed cost, at most, so a request that comes meanwhile waits no longer; deeper chunks are smaller.
+    Before anything is measured, full steps."""
     s = make(
         max_model_len=2048, num_blocks=600, max_num_batched_tokens=512, max_num_batched_tokens_decoding=4
     )
@@ -1013,14 +1075,14 @@ def test_a_lone_prompt_goes_in_steps_of_a_few_times_a_steps_fixed_cost():
     while "long" in s.requests:
         start = s.requests["long"].num_computed_tokens
         n = step(s)[0].num_scheduled_tokens.get("long", 0)
-        assert machine(0, 0, n, query_key_pairs(start, n)) <= StepBudget.LONE * 0.020 + 0.001
+        assert machine(0, 0, n, query_key_pairs(start, n)) <= 0.020 + StepBudget.LONE_SECONDS + 0.001
         chunks.append(n)
     assert chunks[0] >= 2 * chunks[-2] and chunks[:-1] == sorted(chunks[:-1], reverse=True)
 
 
-def test_a_lone_requests_samples_go_in_steps_of_a_few_times_a_steps_fixed_cost():
-    """Alone, a request's samples over a deep prompt are priced as its prompt is: each step costs LONE x the
-    20 ms a step costs that computes nothing, besides the lead's own decode, at most, so a request that comes
+def test_a_lone_requests_samples_go_in_steps_of_half_a_second():
+    """Alone, a request's samples over a deep prompt are priced as its prompt is: each step costs half a
+    second (LONE_SECONDS) besides its fixed cost and the lead's own decode, at most, so a request that comes
     meanwhile waits no longer. Not every sample decodes in every step; all finish, every block free."""
     s = make(
         max_model_len=4096, num_blocks=1200, max_num_batched_tokens=512, max_num_batched_tokens_decoding=4
@@ -1039,20 +1101,20 @@ def test_a_lone_requests_samples_go_in_steps_of_a_few_times_a_steps_fixed_cost()
         chunks = [(start, n) for start, n in work if n > 1]
         pairs = sum(query_key_pairs(*chunk) for chunk in chunks)
         seconds = machine(len(rows), sum(rows), sum(n for _, n in chunks), pairs)
-        assert seconds <= StepBudget.LONE * 0.020 + lead + 0.001
+        assert seconds <= 0.020 + StepBudget.LONE_SECONDS + lead + 0.001
         most = max(most, len(rows))
     assert 1 < most < 16 and [r.num_output_tokens for r in a] == [6] * 16
     assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 1200 - 1
 
 
 def test_a_lone_requests_sample_that_costs_more_than_its_step_still_decodes_beside_its_lead():
-    """At 200 ms a row, a further sample's decode costs more than a lone request's step of 7 x 20 ms: it
-    runs beside its lead's decode, one a step, rather than waiting for the lead to finish."""
+    """At 600 ms a row, a further sample's decode costs more than a lone request's step of half a second:
+    it runs beside its lead's decode, one a step, rather than waiting for the lead to finish."""
     s = make(max_model_len=256, num_blocks=200, max_num_batched_tokens=512, max_num_batched_tokens_decoding=4)
     s.config.step_stretch, s.config.max_num_seqs = 4.0, 16
     s.step_budget = StepBudget.of(s.config)
     for rows, tokens in itertools.product((1, 4, 8), (0, 64, 256)):
-        s.step_budget.observe(rows, rows * 10, tokens, 0.020 + 0.2 * rows + 0.001 * tokens)
+        s.step_budget.observe(rows, rows * 10, tokens, 0.020 + 0.6 * rows + 0.001 * tokens)
     assert s.step_budget.price(20) > s.step_budget.lone_tokens()
     a = samples(s, "a", [next(_fresh) for _ in range(20)], 3, max_tokens=6, ignore_eos=True)
     steps = 0

@@ -1,6 +1,7 @@
 """The serving step budget that follows measured step times (engine/step_budget.py)."""
 
 import itertools
+import time
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -45,6 +46,39 @@ def test_the_fit_needs_no_decode_only_step_and_follows_the_machine():
         fast.observe(*step)
     assert abs(slow.tokens(64) - (64 + 414)) <= 3
     assert abs(fast.tokens(64) - (64 + 828)) <= 6
+
+
+def test_a_lone_requests_step_is_a_few_fixed_costs_and_half_a_second_at_least():
+    """10 ms fixed: 7 x 10 ms of chunk tokens at 1 ms (70) fall short of half a second's worth (500); at
+    8 ms a token, 62. Within a second of a step that served other clients, a tenth of a second: 100 and 12
+    tokens, whatever a step's fixed cost."""
+    for per_token, lone in ((0.001, 500), (0.008, 62)):
+        b = StepBudget(stretch=4.0, floor=64, cap=1024)
+        for step in steps(per_token, with_decode_only=True):
+            b.observe(*step)
+        assert abs(b.lone_tokens() - lone) <= 1
+        b.shared_at = time.monotonic()  # other clients were served a moment ago: a tenth of a second
+        assert abs(b.lone_tokens() - 0.1 / per_token) <= 1
+    assert (StepBudget.LONE_SECONDS, StepBudget.RECENT_LONE_SECONDS, StepBudget.RECENT_S) == (0.5, 0.1, 1.0)
+    # A step's fixed cost of 100 ms: 7 x 100 ms alone, a tenth of a second still while others come and go.
+    b = StepBudget(stretch=4.0, floor=64, cap=1024)
+    for rows, context, tokens, seconds in steps(0.001, with_decode_only=True):
+        b.observe(rows, context, tokens, seconds + 0.090)
+    assert abs(b.lone_tokens() - 700) <= 3
+    b.shared_at = time.monotonic()
+    assert abs(b.lone_tokens() - 100) <= 1
+
+
+def test_a_fit_that_explains_chunks_by_their_pairs_alone_still_prices_them():
+    """A machine whose chunks cost only their query-key pairs: the fit gives a chunk token nothing, yet a
+    lone request's step is no whole budget and chunks are priced, not counted a token each."""
+    b = StepBudget(stretch=4.0, floor=64, cap=2048)
+    for rows, t, start in itertools.product((0, 2, 4), (0, 16, 44, 128), (0, 500)):
+        if rows or t:
+            pairs = query_key_pairs(start, t) if t else 0
+            b.observe(rows, rows * 100, t, 0.01 + 0.002 * rows + 2e-6 * rows * 100 + 4e-6 * pairs, pairs)
+    assert b.costs()[4] == 0.0 and b.costs()[5] > 0
+    assert b.lone_tokens() < 2048 and b.price(0, 128) > 128 and b.most(0, 200) < 200
 
 
 def test_waiting_requests_widen_the_room_for_chunks():
@@ -106,7 +140,7 @@ def test_the_budget_stays_between_its_floor_and_cap(steps, running, waiting):
         assert b.price(300) >= 1
         # Whatever the fit, a chunk token costs one more per DEPTH tokens of depth at most.
         assert 50 <= b.price(3000, 50) <= 50 + query_key_pairs(3000, 50) / StepBudget.DEPTH + 1
-        assert 1024 // StepBudget.LONE <= b.lone_tokens() <= 1024
+        assert 1 <= b.lone_tokens() <= 1024
 
 
 def deep_steps() -> list[tuple[int, int, int, float, int]]:

@@ -4,7 +4,8 @@ whole. The full size (2,000 requests over 5 minutes, the default model compiled)
 from server.bench import soak
 
 
-def test_a_server_soaked_by_misbehaving_clients_comes_back_whole(tiny_chat_model, tmp_path):
+def test_a_server_soaked_by_misbehaving_clients_comes_back_whole(tiny_chat_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(soak, "SLOW_PAUSE_S", 0.2)  # still far slower than the tiny model's tokens come
     # With overlapped scheduling, whose steps in flight make aborts and disconnects the harder case.
     flags = ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory", "50000000", "--async-scheduling"]
     result = soak.run(tiny_chat_model, flags, requests=70, duration_s=8, clients=64, log=tmp_path / "log")
@@ -31,7 +32,7 @@ def test_the_attack_bench_measures_good_clients_beside_every_attack(tiny_chat_mo
     monkeypatch.setattr(attack, "SETTLE_S", 0.0)  # the memory after the attack is not checked here
 
     flags = ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory", "50000000"]
-    result = attack.run(tiny_chat_model, flags, duration_s=5, baseline_s=2, good=2, log=tmp_path / "log")
+    result = attack.run(tiny_chat_model, flags, duration_s=3, baseline_s=1, good=2, log=tmp_path / "log")
     report = attack.format_report(result) + "\n" + (tmp_path / "log").read_text()[-3000:]
     good = result["good"]
     assert good["alone"]["completed"] > 0 and good["attacked"]["completed"] > 0, report

@@ -51,6 +51,7 @@ class Good:
         self.ttft: list[float] = []
         self.itl: list[float] = []
         self.done = self.failed = 0
+        self.why: Counter = Counter()  # what ended each failed request: its status, or the client's error
 
     async def loop(self, stop: asyncio.Event, seed: int) -> None:
         rng = random.Random(seed)
@@ -75,11 +76,14 @@ class Good:
                             times.append(time.perf_counter())
                         usage = chunk.get("usage") or usage
                 ok = r.status_code == 200 and usage is not None and usage["completion_tokens"] == 32
-            except (httpx.HTTPError, ValueError):  # a stream cut off mid-chunk: a failed request
-                ok = False
+                reason = f"{r.status_code} with {len(times)} tokens"
+            except (httpx.HTTPError, ValueError) as e:  # a stream cut off mid-chunk: a failed request
+                ok, reason = False, f"{type(e).__name__} after {len(times)} tokens"
             self.done += ok
             self.failed += not ok
-            if ok:
+            if not ok:
+                self.why[reason] += 1
+            else:
                 self.ttft.append(times[0] - start)
                 self.itl += [b - a for a, b in itertools.pairwise(times)]
 
@@ -198,14 +202,14 @@ async def _phase(url: str, headers: dict, model: str, good: int, seconds: float,
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=16, keepalive_expiry=2)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=300, limits=limits) as c:
         clients, stop = Good(c, model), asyncio.Event()
-        attackers = Attackers(c, url, model, max_len)
+        attackers = Attackers(c, url, model, max_len) if attack else None  # their bodies take a second
         tasks = [asyncio.ensure_future(clients.loop(stop, i)) for i in range(good)]
-        if attack:
+        if attackers is not None:
             tasks += [asyncio.ensure_future(attackers.loop(name, stop)) for name in ATTACKS]
         await asyncio.sleep(seconds)
         stop.set()
         await asyncio.gather(*tasks)
-    return clients, attackers.outcomes
+    return clients, Counter() if attackers is None else attackers.outcomes
 
 
 def run(
@@ -246,6 +250,7 @@ def run(
             phase: {
                 "completed": g.done,
                 "failed": g.failed,
+                "why_failed": dict(g.why),
                 "ttft_p99_ms": p99(g.ttft) * 1e3,
                 "itl_p99_ms": p99(g.itl) * 1e3,
             }
@@ -272,13 +277,17 @@ def run(
     return result
 
 
+def why(failures: dict[str, int]) -> str:
+    return " (" + ", ".join(f"{n} {reason}" for reason, n in failures.items()) + ")" if failures else ""
+
+
 def format_report(result: dict) -> str:
     c, g = result["config"], result["good"]
     lines = [
         f"attack: {c['good']} good streaming clients, {c['baseline_s']:.0f} s alone, then "
         f"{c['duration_s']:.0f} s beside the attackers ({' '.join(c['flags'] or [])})",
         *(
-            f"good {phase}: {v['completed']} completed, {v['failed']} failed, "
+            f"good {phase}: {v['completed']} completed, {v['failed']} failed{why(v['why_failed'])}, "
             f"TTFT p99 {v['ttft_p99_ms']:.0f} ms, ITL p99 {v['itl_p99_ms']:.0f} ms"
             for phase, v in g.items()
         ),

@@ -42,7 +42,7 @@ VARIANTS = {"quick": 4, "full": None}  # layers of each random-weight model (Non
 
 def build(kit: Path = KIT) -> None:
     """Fill the kit: wheels pinned to this venv's versions, and the default model's files but its weights."""
-    from server.bench.driver import model_dir
+    from engine.model_files import locate_model
 
     wheels = kit / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
@@ -59,7 +59,12 @@ def build(kit: Path = KIT) -> None:
         fetched.write_text(wanted)
     model = kit / "model"
     model.mkdir(exist_ok=True)
-    for f in Path(model_dir(None)).iterdir():
+    path, gguf_file = locate_model(None)  # torch only where the default model is still to convert
+    if gguf_file is not None:
+        from compiled.gguf import convert_gguf
+
+        convert_gguf(gguf_file, path)
+    for f in Path(path).iterdir():
         if f.suffix in (".json", ".jinja"):
             shutil.copy(f, model / f.name)
 

@@ -30,6 +30,7 @@ HEALTH_P99_MS = 100.0
 RSS_GROWTH = 1.2
 BURST = 12  # requests a burst sends at once: more than the limits in the defaults below let in
 DEFAULT_FLAGS = {"--max-num-seqs": "8", "--max-pending-requests": "4"}
+SLOW_PAUSE_S = 1.0  # a slow reader's pause after each event it reads
 KINDS = {"stream": 25, "complete": 15, "drop": 15, "slow": 8, "abort": 12, "bad": 15, "burst": 2}
 BAD_BODIES = [
     b"{not json",
@@ -178,7 +179,7 @@ class Clients:
         await self._stream("drop", 400, 1, 0)
 
     async def slow(self) -> None:
-        await self._stream("slow", 6, None, 1.0)
+        await self._stream("slow", 6, None, SLOW_PAUSE_S)
 
     async def complete(self, kind: str = "complete", max_tokens: int | None = None) -> None:
         path, body = self.body(self.rng.random() < 0.5, max_tokens or self.rng.randint(1, 48), False)

@@ -14,8 +14,9 @@ So fcfs is a deque for each sample index: new requests at the back, preempted on
 of its priority, and behind every more urgent request (a lower priority value). ``pop_into`` keeps the
 scheduler's running requests in the same key order, so that the last of them is the one to preempt.
 ``num_first`` counts the live first samples (sample_index 0; a preempted one too), ``first_tokens`` their
-tokens as they were queued, and ``short_tokens`` those of the unconstrained ones no longer than ``long``
-tokens (``shortest`` the fewest of them), which go in as soon as a step lets them. Under
+tokens as they were queued, and ``short_tokens`` those of the ones no longer than ``long`` tokens whose
+grammar (if any) had compiled as they were queued (``shortest`` the fewest of them), which go in as soon as
+a step lets them. Under
 sustained overload (a first sample always waiting) a request's further samples wait until first samples
 stop arriving: the admission limits bound that queue.
 
@@ -57,7 +58,7 @@ class RequestQueue:
         # Live first samples -> their tokens when queued (a sample preempted with a step in flight may
         # still gain its token while it waits).
         self._first: dict[str, int] = {}
-        self._short: dict[str, int] = {}  # those of them no longer than `long`, with no grammar to compile
+        self._short: dict[str, int] = {}  # those of them no longer than `long`, with no grammar compiling
         self.first_tokens = self.short_tokens = 0
         self.long = long
 
@@ -82,7 +83,7 @@ class RequestQueue:
         if req.sample_index == 0:
             self._first[req.request_id] = n = req.num_tokens
             self.first_tokens += n
-            if n <= self.long and req.grammar is None:
+            if n <= self.long and (req.grammar is None or req.grammar.ready):
                 self._short[req.request_id] = n
                 self.short_tokens += n
 

@@ -12,12 +12,12 @@ fewer pauses, and let the waiting prompts in sooner.
 Beside other clients' streams the scheduler prices work in chunk tokens at the start of a prompt
 (`price`): a decode by the context it reads, a chunk by its depth in its prompt, whose attention grows
 with it. And bulk work stretches their step by BULK_STRETCH at most (a piece of it at least; none in one
-step of PROBE, nor in one that lets other clients' prompts in): the chunks of a fresh prompt longer than
-a step may take (max_num_batched_tokens, or long_prefill_token_threshold where lower), which goes in at
-that pace while shorter ones go past it, and all the work of a request's further samples (n > 1): their
-prompts and decodes. So one request's many samples, or a prompt too long for one step, cannot stretch
-every step for all the others; and while such a prompt waits, further samples leave it half of the bulk
-room.
+step of PROBE, nor, every other step at most, in one that lets other clients' prompts in): the chunks of a
+fresh prompt longer than a step may take (max_num_batched_tokens, or long_prefill_token_threshold where
+lower), which goes in at that pace while shorter ones go past it, and all the work of a request's further
+samples (n > 1): their prompts and decodes. So one request's many samples, or a prompt too long for one
+step, cannot stretch every step for all the others; and while such a prompt waits, further samples leave
+it half of the bulk room.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ class StepBudget:
     # always carry some cannot tell the streams' own step from a fixed cost, and the room for bulk work
     # is its share.
     PROBE = 8
-    LONE = 8  # a lone request's step: this many times a step's fixed cost, and LONE_SECONDS' worth at least
-    LONE_SECONDS = 0.5  # another client's request that comes meanwhile waits as long
+    LONE = 8  # a lone request's step: its fixed cost and LONE - 1 times that of work, or LONE_SECONDS' work
+    LONE_SECONDS = 0.5  # where that is more: another client's request that comes meanwhile waits as long
     # A tenth of a second within a second of serving several client requests: others are likely back soon.
     RECENT_LONE_SECONDS, RECENT_S = 0.1, 1.0
     DEPTH = 64  # a token deeper in its sequence costs one more chunk token per DEPTH tokens at most
@@ -79,6 +79,7 @@ class StepBudget:
         self.seen_rows = self.seen_tokens = False
         self.steps = 0  # observed
         self.shared_at = -math.inf  # when a step last served several client requests (time.monotonic())
+        self.aside_at = -2  # the observed steps' count when bulk work last stood aside for prompts
         self.fit: tuple[float, ...] | None = None  # costs(), solved once a step
 
     @classmethod
@@ -156,6 +157,15 @@ class StepBudget:
         is observed, so the count moves on)."""
         return self.steps % self.PROBE == self.PROBE - 1
 
+    def stand_aside(self) -> bool:
+        """Whether bulk work stands aside in the next step for other clients' prompts, which it may do every
+        other step only: prompts that keep coming, or that wait for blocks the bulk work holds, cannot stop
+        it. Asked again before the step is observed, the answer stays."""
+        if self.aside_at == self.steps - 1:
+            return False
+        self.aside_at = self.steps
+        return True
+
     def costs(self) -> tuple[float, ...] | None:
         """Seconds of a step: fixed, per row, per context token, per distinct context token, per chunk
         token, per query-key pair of a chunk, per token of a chunk's depth; None until both kinds of work
@@ -181,9 +191,9 @@ class StepBudget:
         return (stretch - 1.0) * (1.0 + waiting / max(running, 1)) * decode_step / self._unit()
 
     def lone_tokens(self) -> int:
-        """Tokens of a step that carries a lone request's work: LONE times what a step costs that computes
-        nothing, so that its fixed cost stays a small share, and LONE_SECONDS' worth at least (a prompt's
-        chunks are priced by their depth: a step of fixed tokens would shrink as a long prompt goes deeper);
+        """Tokens of a step that carries a lone request's work: LONE - 1 times what a step costs that
+        computes nothing, so that its fixed cost stays a small share, and LONE_SECONDS' worth at least (a
+        prompt's chunks are priced by their depth: a step of fixed tokens would shrink as it goes deeper);
         a request that comes meanwhile waits no longer than that. Within RECENT_S of a step that served
         several client requests, RECENT_LONE_SECONDS' worth alone. Cap until measured."""
         fixed, *_ = self.costs() or (0.0,) * self.N
@@ -325,7 +335,7 @@ def step_tokens(
     whole = prompt_caps(cfg)[1]
     # Other clients' prompts go in: ones that cost no more than a step, with a seat free for them.
     starting = waiting.short_tokens and len(running) < cfg.max_num_seqs
-    starting = starting and measured.price(0, waiting.shortest) <= whole
+    starting = starting and measured.price(0, waiting.shortest) <= whole and measured.stand_aside()
     if not decoding:  # no stream to hold back: a lone prompt's step, a token while others' prompts go in
         bulk = 1 if starting else max(bulk, min(budget, measured.lone_tokens()))
     elif measured.probing() or starting:

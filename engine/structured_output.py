@@ -72,9 +72,6 @@ def _key(text: str) -> bytes:
 
 _errors: OrderedDict[bytes, str] = OrderedDict()  # grammar digest -> validate_grammar's error ("" if none)
 _errors_lock = threading.Lock()
-# The front end's checks run below the model's threads too: at its own priority a large grammar's check
-# (llguidance releases the GIL) took a core from the engine core's step, which stalled for a second.
-_checks = ThreadPoolExecutor(COMPILE_THREADS, "kiln-grammar-check", lower_thread_priority)
 
 
 def _grammar_error(grammar: str) -> str:
@@ -83,7 +80,7 @@ def _grammar_error(grammar: str) -> str:
         if key in _errors:
             _errors.move_to_end(key)
             return _errors[key]
-    error = _checks.submit(llguidance.LLMatcher.validate_grammar, grammar).result()
+    error = llguidance.LLMatcher.validate_grammar(grammar)
     with _errors_lock:
         _errors[key] = error
         if len(_errors) > CACHE_SIZE:

@@ -611,22 +611,26 @@ def test_the_priority_queue_puts_back_what_it_popped_in_the_same_order():
 
 
 def test_the_queue_counts_the_short_unconstrained_first_samples_that_hold_bulk_work_back():
-    """Of first samples, those of at most `long` tokens with no grammar to compile count as short (the
+    """Of first samples, those of at most `long` tokens with no grammar still compiling count as short (the
     fewest tokens of them `shortest`), through pops, put-backs and aborts alike; further samples never."""
     q = RequestQueue("fcfs", long=8)
     short, longer = Request("s", [1] * 5, SamplingParams()), Request("l", [1] * 9, SamplingParams())
-    constrained = Request("c", [1] * 3, SamplingParams(), grammar=Grammar(Future()))
+    compiling = Request("c", [1] * 2, SamplingParams(), grammar=Grammar(Future()))
+    compiled = Future()
+    compiled.set_exception(ValueError("bad"))  # done: a grammar that has compiled (or failed to) counts
+    shorter = Request("t", [1] * 3, SamplingParams(), grammar=Grammar(compiled))
     further = Request("f", [1] * 2, SamplingParams(), parent_id="l", sample_index=1)
-    for r in (short, longer, constrained, further):
+    for r in (short, longer, compiling, shorter, further):
         q.add(r)
-    assert (q.num_first, q.first_tokens, q.short_tokens, q.shortest) == (3, 17, 5, 5)
+    assert (q.num_first, q.first_tokens, q.short_tokens, q.shortest) == (4, 19, 8, 3)
     popped = q.pop()
-    assert popped is short and (q.short_tokens, q.shortest) == (0, sys.maxsize)
+    assert popped is short and (q.short_tokens, q.shortest) == (3, 3)
     q.prepend(popped)
-    assert (q.short_tokens, q.shortest) == (5, 5)
-    short.status = RequestStatus.FINISHED_ABORTED
-    q.note_finished([short])
-    assert (q.num_first, q.first_tokens, q.short_tokens) == (2, 12, 0)
+    assert (q.short_tokens, q.shortest) == (8, 3)
+    shorter.status = RequestStatus.FINISHED_ABORTED
+    q.note_finished([shorter])
+    assert (q.num_first, q.first_tokens, q.short_tokens, q.shortest) == (3, 16, 5, 5)
+    assert [q.pop().request_id for _ in range(3)] == ["s", "l", "c"] and q.shortest == sys.maxsize
 
 
 def samples(s: Scheduler, parent: str, prompt: list[int], n: int, **params) -> list[Request]:
@@ -753,6 +757,9 @@ class FixedPrices:
 
     def probing(self) -> bool:
         return False
+
+    def stand_aside(self) -> bool:
+        return True
 
     def price(self, start: int, n: int = 1, shared: int = 0) -> int:
         return self.price_ if n == 1 else n
@@ -959,8 +966,8 @@ def test_a_prompt_no_longer_than_a_step_but_priced_past_it_is_bulk_work_that_goe
     step(s)
     add(s, "mid", 400, max_tokens=1)
     assert s.step_budget.price(0, 400) > 512 and s.waiting.shortest == 400
-    ran = [step(s)[0].num_scheduled_tokens.get("mid", 0) for _ in range(4)]
-    assert sum(ran) > 0 and "b" in s.requests
+    outs = [step(s)[0].num_scheduled_tokens for _ in range(4)]
+    assert sum(out.get("mid", 0) for out in outs) > 0 and all("b" in out for out in outs)
 
 
 @pytest.mark.parametrize("seats", [1, 8])
@@ -1000,6 +1007,24 @@ def beside_a_stream() -> Scheduler:
     add(s, "b", 8, max_tokens=1000, ignore_eos=True)
     step(s)
     return s
+
+
+def test_prompts_that_keep_coming_let_bulk_work_in_every_other_step_at_least():
+    """A's further samples decode beside B's stream while a short prompt arrives before every step: bulk
+    work stands aside for them every other step at most (none in probing steps), so it still runs."""
+    s = beside_a_stream()
+    samples(s, "a", [next(_fresh) for _ in range(40)], 4, max_tokens=500, ignore_eos=True)
+    while s.waiting:
+        step(s)
+    ran = []  # whether a further sample decoded, step by step
+    for k in range(24):
+        add(s, f"c{k}", 4, max_tokens=1)
+        probing = s.step_budget.probing()
+        out, _ = step(s)
+        assert f"c{k}" in out.num_scheduled_tokens
+        s.step_budget.observe_step(out, 0.05, s.requests)
+        ran.append(probing or any(r in out.num_scheduled_tokens for r in ("a#1", "a#2", "a#3")))
+    assert 8 <= sum(ran) < 24 and all(a or b for a, b in itertools.pairwise(ran))
 
 
 def test_a_requests_further_samples_are_bulk_work_from_their_admission_on():
@@ -1078,6 +1103,7 @@ def test_a_lone_prompt_goes_in_steps_of_half_a_second():
         assert machine(0, 0, n, query_key_pairs(start, n)) <= 0.020 + StepBudget.LONE_SECONDS + 0.001
         chunks.append(n)
     assert chunks[0] >= 2 * chunks[-2] and chunks[:-1] == sorted(chunks[:-1], reverse=True)
+    assert s.step_budget.price(0, chunks[0]) >= 450  # half a second's work at 1 ms a priced token
 
 
 def test_a_lone_requests_samples_go_in_steps_of_half_a_second():

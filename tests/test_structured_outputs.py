@@ -6,7 +6,6 @@ patterns Hypothesis draws."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 from concurrent.futures import Future
@@ -54,19 +53,6 @@ def test_params_take_exactly_one_constraint():
 def test_check_names_the_field(so, says):
     with pytest.raises(ValueError, match=says):
         structured_output.check(so)
-
-
-def test_the_front_ends_check_compiles_below_the_models_threads(monkeypatch):
-    """A large grammar's check takes a core for a while: it runs at nice 19, as the core's compiles do."""
-    seen = []
-
-    def validate(grammar: str) -> str:
-        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-        return ""
-
-    monkeypatch.setattr(llguidance.LLMatcher, "validate_grammar", validate)
-    structured_output.check(S(regex="nice-[0-9]{2}"))  # a grammar no other test checks: not cached
-    assert seen == [19]
 
 
 def test_bitmask_unpacks_as_llguidance_lays_it_out():

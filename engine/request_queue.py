@@ -16,9 +16,8 @@ scheduler's running requests in the same key order, so that the last of them is 
 ``num_first`` counts the live first samples (sample_index 0; a preempted one too), ``first_tokens`` their
 tokens as they were queued, and ``short_tokens`` those of the ones no longer than ``long`` tokens whose
 grammar (if any) had compiled as they were queued (``shortest`` the fewest of them), which go in as soon as
-a step lets them. Under
-sustained overload (a first sample always waiting) a request's further samples wait until first samples
-stop arriving: the admission limits bound that queue.
+a step lets them. Under sustained overload (a first sample always waiting) a request's further samples
+wait until first samples stop arriving: the admission limits bound that queue.
 
 A queued request that finishes (an abort) is not searched for: ``note_finished`` counts it, and it is
 dropped when it reaches the front, or with every other finished one once they make up over half the
@@ -88,8 +87,7 @@ class RequestQueue:
                 self.short_tokens += n
 
     def _uncount(self, req: Request) -> None:
-        n = self._first.pop(req.request_id, 0)
-        self.first_tokens -= n
+        self.first_tokens -= self._first.pop(req.request_id, 0)
         self.short_tokens -= self._short.pop(req.request_id, 0)
 
     def prepend_all(self, reqs: list[Request]) -> None:

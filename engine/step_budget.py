@@ -185,10 +185,10 @@ class StepBudget:
         `stretch` (more while `waiting` requests wait); None without a fit that prices them."""
         fixed, per_row, per_context, per_distinct, *_ = self.costs() or (0.0,) * self.N
         decode_step = fixed + per_row * running + (per_context + per_distinct) * context  # each its own
-        if self._unit() <= 0 or decode_step <= 0:  # no fit yet, or one that prices nothing
+        if (unit := self._unit()) <= 0 or decode_step <= 0:  # no fit yet, or one that prices nothing
             return None
         stretch = self.stretch if stretch is None else stretch
-        return (stretch - 1.0) * (1.0 + waiting / max(running, 1)) * decode_step / self._unit()
+        return (stretch - 1.0) * (1.0 + waiting / max(running, 1)) * decode_step / unit
 
     def lone_tokens(self) -> int:
         """Tokens of a step that carries a lone request's work: LONE - 1 times what a step costs that
@@ -216,13 +216,13 @@ class StepBudget:
         a single query (a decode) reads `start + 1` tokens' keys and values, of which `shared` another row
         of the step reads too; a chunk's attention grows with its depth, and gathers it. `n` without a fit."""
         _, per_row, per_context, per_distinct, _, per_pair, _ = self.costs() or (0.0,) * self.N
-        if self._unit() <= 0:
+        if (unit := self._unit()) <= 0:
             return n
         if n == 1:
             own = start + 1 - min(start, shared * self.shared_prompts)  # of its context, read by no other row
             read = per_context * (start + 1) + per_distinct * own
-            return max(1, round((per_row + read) / self._unit()))
-        return n + round(per_pair * query_key_pairs(start, n) / self._unit()) + self.depth_price(start)
+            return max(1, round((per_row + read) / unit))
+        return n + round(per_pair * query_key_pairs(start, n) / unit) + self.depth_price(start)
 
     def depth_price(self, start: int) -> int:
         """Chunk tokens that a chunk from position `start` costs whatever its length: gathering its depth."""

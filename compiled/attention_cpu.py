@@ -38,17 +38,19 @@ def decode_attention_pages(
     tables, seq_lens, pages = meta.decode_block_tables, meta.decode_seq_lens, meta.decode_pages
     (W, P), (Hkv, bs) = (tables.shape[1], pages.shape[0]), v_cache.shape[1:4:2]
     G = H // Hkv
+    # Each page's row, first position, block and keys in buffers of their own: inlined, their division
+    # and indirect loads would run again in every inner iteration of the loops below.
+    rows = force_stride_order(pages // W, (1,))
+    first = force_stride_order(pages % W * bs, (1,))
     # q in a buffer of its own: Inductor would otherwise inline its producer (RoPE over the projection's
     # transposed output) into the score loop and compute it again for every page.
-    q = force_stride_order(q, (H * D, D, 1)).view(B, Hkv, G, D)
-    rows, first = pages // W, pages % W * bs
+    qf = force_stride_order(q, (H * D, D, 1)).view(B, Hkv, G, D).float()[rows]  # [P, Hkv, G, D]
     pos = first[:, None] + torch.arange(bs, device=q.device)  # [P, bs]
-    keys = seq_lens[rows][:, None]
+    keys = force_stride_order(seq_lens[rows], (1,))[:, None]
     valid = (pos < keys) & (pos >= keys - scoring.window) if scoring.window else pos < keys
-    blocks = tables.reshape(-1)[pages]
+    blocks = force_stride_order(tables.reshape(-1)[pages], (1,))
     k = k_cache[blocks].float()  # [P, Hkv, bs/c, D, c]
     v = torch.where(valid[:, None, None, :, None], v_cache[blocks], 0.0).float()  # unwritten slots: NaN
-    qf = q.float()[rows]  # [P, Hkv, G, D]
     scores = torch.stack([(qf[:, :, g, None, :, None] * k).sum(3) for g in range(G)], 2)
     scores = softcapped(scores.view(P, Hkv, G, bs) * scoring.scale, scoring.softcap)
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))

@@ -194,9 +194,9 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def evict(self, data) -> None:
-        """Someone else takes k blocks: they must be the head of the free queue (LRU)."""
+        """Someone else takes k blocks: they must be the head of the free queue (LRU), in id order."""
         k = data.draw(st.integers(0, self.pool.get_num_free_blocks()))
-        expected = [b.block_id for b in self.pool.free_block_queue][:k]
+        expected = sorted([b.block_id for b in self.pool.free_block_queue][:k])
         if any(self.pool.blocks[bid].block_hash for bid in expected):
             event("evict: a cached block")
         blocks = self.pool.get_new_blocks(k)

@@ -31,7 +31,8 @@ def test_lru_order_least_recently_freed_first():
     pool.free_blocks([b4, b2])
     pool.free_blocks([b5])
     assert free_ids(pool) == [4, 2, 5]
-    assert [b.block_id for b in pool.get_new_blocks(2)] == [4, 2]
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [2, 4]  # the two least recently freed
+    assert free_ids(pool) == [5]
 
 
 def test_tail_first_freeing_evicts_last_blocks_first():
@@ -39,6 +40,15 @@ def test_tail_first_freeing_evicts_last_blocks_first():
     table = pool.get_new_blocks(4)
     pool.free_blocks(reversed(table))
     assert free_ids(pool) == [4, 3, 2, 1]
+
+
+def test_a_run_freed_tail_first_comes_back_in_ascending_order():
+    pool = BlockPool(9)
+    first, second = pool.get_new_blocks(4), pool.get_new_blocks(4)
+    pool.free_blocks(reversed(second))
+    pool.free_blocks(reversed(first))
+    assert [b.block_id for b in pool.get_new_blocks(6)] == [3, 4, 5, 6, 7, 8]
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [1, 2]
 
 
 def test_touch_removes_free_block_from_the_middle():

@@ -140,6 +140,7 @@ def test_the_budget_stays_between_its_floor_and_cap(steps, running, waiting):
         assert b.price(300) >= 1
         # Whatever the fit, a chunk token costs one more per DEPTH tokens of depth at most.
         assert 50 <= b.price(3000, 50) <= 50 + query_key_pairs(3000, 50) / StepBudget.DEPTH + 1
+        assert 1 <= b.lone_tokens() <= 1024
 
 
 def deep_steps() -> list[tuple[int, int, int, float, int]]:

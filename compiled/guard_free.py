@@ -8,13 +8,19 @@ Inductor's compiled module, which are not public API: it is used only on the tor
 verified on (`SUPPORTED`), and each direct call path is kept only after a self-check on the lookup's
 arguments. Layers that differ in what their graph was specialised on each keep their own (LayerGraphs).
 The compile policy imports this module only where it exists: a torch upgrade it breaks deletes the file.
+
+Past that, a CPU module whose wrapper only allocates buffers and runs C++ kernels is replayed
+(`KernelReplay`): its kernels called again on the buffers of an earlier call.
 """
 
 from __future__ import annotations
 
+import ast
 import inspect
 import logging
+import textwrap
 import types
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -66,7 +72,8 @@ class GuardFreeGraph:
         if len(modules) != 1 or None in modules.values():
             return
         direct = types.FunctionType(self.entry.code, {**g, **modules}, self.fn.__name__)
-        if verify(self.call, direct):
+        # Until its third call with the same sizes a replayed module runs its wrapper: check them all.
+        if all(verify(self.call, direct) for _ in range(KernelReplay.CALLS_TO_REPLAY)):
             self.call, self.direct = direct, True
         else:
             logger.warning(
@@ -90,7 +97,145 @@ def _inductor_module(compiled_fn: Callable) -> Callable | None:
     module = getattr(inner, "current_callable", None)
     if module is None or not getattr(inner, "_boxed_call", False):
         return None
+    if KernelReplay.replayable(module):
+        return KernelReplay(module)
     return lambda *args: module(list(args))
+
+
+class KernelReplay:
+    """Inductor's CPU module for one graph, its C++ kernels called again on an earlier call's buffers.
+
+    Inductor's wrapper allocates each intermediate buffer of a call afresh (dozens in a decode layer, a
+    share of a one-row step). Where it does nothing else (`replayable`: allocations, views of them and
+    C++ kernels, no size read from a tensor), every size follows from the call's integer arguments; the
+    kernels' arguments are recorded once per set of them, and later calls pass the recorded
+    intermediates again with the inputs swapped in and each output allocated anew.
+
+    Invariant: no reused buffer leaves a call (the outputs' allocations are made anew in each replay,
+    with their views), so reusing them is safe while calls do not overlap: the engine runs one step at a
+    time in a process.
+    """
+
+    # Run, record, replay: sizes seen once may not come again (a batch's pages grow step by step).
+    CALLS_TO_REPLAY = 3
+    PLANS = 16  # sets of sizes kept; each holds its intermediates
+    # A call with larger intermediates is not replayed: its kernels outweigh the allocations many times.
+    KEPT_BYTES = 1 << 20
+    _WRAPPER_CALLS = ("empty_strided_cpu", "reinterpret_tensor")
+
+    def __init__(self, module: Callable) -> None:
+        self.module, self.globals = module, module.__func__.__globals__
+        self.plans: OrderedDict[tuple, object] = OrderedDict()  # by the arguments that are not tensors
+        self.sizes: list[int] | None = None  # their positions: the graph's dynamic sizes
+
+    @classmethod
+    def replayable(cls, module: Callable) -> bool:
+        """Whether the wrapper calls nothing but allocations, views and C++ kernels (and `args.clear`)."""
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(module.__func__)))
+        except (AttributeError, OSError, TypeError, SyntaxError):
+            return False
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            if isinstance(f, ast.Name) and (f.id in cls._WRAPPER_CALLS or f.id.startswith("cpp_fused")):
+                continue
+            if isinstance(f, ast.Attribute) and f.attr == "clear" and getattr(f.value, "id", "") == "args":
+                continue
+            return False
+        return True
+
+    def __call__(self, *args: object) -> tuple[Tensor, ...]:
+        if self.sizes is None:
+            self.sizes = [i for i, a in enumerate(args) if not isinstance(a, Tensor)]
+        key = tuple([args[i] for i in self.sizes])
+        plan = self.plans.get(key)
+        if isinstance(plan, tuple):
+            self.plans.move_to_end(key)
+            return self._replay(plan, args)
+        if plan is None:  # sizes not seen before
+            self._keep(key, _SEEN)
+            return self.module(list(args))
+        if plan is _NEVER:
+            return self.module(list(args))
+        outputs, plan = self._record(args)
+        self._keep(key, plan)
+        return outputs
+
+    def _keep(self, key: tuple, plan: object) -> None:
+        self.plans[key] = plan
+        while len(self.plans) > self.PLANS:
+            self.plans.popitem(last=False)
+
+    def _replay(self, plan: tuple, args: tuple) -> tuple[Tensor, ...]:
+        making, calls, outputs = plan
+        empty, view = self.globals["empty_strided_cpu"], self.globals["reinterpret_tensor"]
+        made: list[Tensor] = []
+        for base, spec in making:
+            made.append(empty(*spec) if base is None else view(made[base], *spec))
+        for kernel, template, inputs, fresh in calls:
+            a = template.copy()
+            for at, i in inputs:
+                a[at] = args[i]
+            for at, j in fresh:
+                a[at] = made[j]
+            kernel(*a)
+        return tuple(made[j] for j in outputs)
+
+    def _record(self, args: tuple) -> tuple[tuple[Tensor, ...], object]:
+        """One call through the wrapper, its allocations, views and kernel calls logged, and the plan to
+        replay it. The outputs' allocations, and the views of them, are made anew in each replay; _NEVER
+        where an output or a view is not of an allocation (one of an input would keep the recorded one),
+        or where the intermediates are large."""
+        names = [n for n in self.globals if n in self._WRAPPER_CALLS or n.startswith("cpp_fused")]
+        saved = {n: self.globals[n] for n in names}
+        made, kernel_calls = [], []  # (base or None, spec, tensor): the objects kept, their ids unique
+
+        def allocate(*spec: object) -> Tensor:
+            made.append((None, spec, saved["empty_strided_cpu"](*spec)))
+            return made[-1][2]
+
+        def view(base: Tensor, *spec: object) -> Tensor:
+            made.append((base, spec, saved["reinterpret_tensor"](base, *spec)))
+            return made[-1][2]
+
+        def logged(kernel: Callable) -> Callable:
+            return lambda *a: (kernel_calls.append((kernel, a)), kernel(*a))[1]
+
+        self.globals.update({n: logged(f) for n, f in saved.items() if n.startswith("cpp_fused")})
+        self.globals.update(empty_strided_cpu=allocate, reinterpret_tensor=view)
+        try:
+            outputs = self.module(list(args))
+        finally:
+            self.globals.update(saved)
+        root = {}  # id of each allocation and view -> id of the allocation under it
+        for base, _, t in made:
+            root[id(t)] = id(t) if base is None else root.get(id(base))
+        if None in root.values() or not all(id(o) in root for o in outputs):
+            return outputs, _NEVER
+        anew = {root[id(o)] for o in outputs}
+        kept = sum(t.untyped_storage().nbytes() for base, _, t in made if base is None and id(t) not in anew)
+        if kept > self.KEPT_BYTES:
+            return outputs, _NEVER
+        making, index = [], {}  # what each replay makes, in the recorded order
+        for base, spec, t in made:
+            if root[id(t)] in anew:
+                index[id(t)] = len(making)
+                making.append((None if base is None else index[id(base)], spec))
+        inputs = {id(a): i for i, a in enumerate(args) if isinstance(a, Tensor)}
+        calls = []
+        for kernel, a in kernel_calls:
+            ins = [(at, inputs[id(x)]) for at, x in enumerate(a) if id(x) in inputs]
+            fresh = [(at, index[id(x)]) for at, x in enumerate(a) if id(x) in index]
+            template = list(a)
+            for at, _ in ins + fresh:
+                template[at] = None
+            calls.append((kernel, template, ins, fresh))
+        return outputs, (making, calls, [index[id(o)] for o in outputs])
+
+
+_SEEN, _NEVER = object(), object()  # KernelReplay's plans: sizes seen once; a call it cannot replay
 
 
 class LayerGraphs:

@@ -364,12 +364,24 @@ def test_no_recompile_after_warmup(tiny_llama, monkeypatch, quantization):
         torch.set_num_threads(threads)
     assert all(len(r["out"]) >= 1 for r in drv.reqs.values())
     assert module_state(runner.model) == before
+    # Layers whose wrapper runs C++ kernels only are replayed on buffers recorded (KernelReplay): the
+    # quantized reductions for a row or a few; not those calling oneDNN's or MKL's products.
+    replays = {kind: _replays(g) for kind, g in graphs.items()}
+    assert replays["more"] == []
+    if quantization == "int4":
+        assert replays["one"] and replays["few"]
+    assert all(any(isinstance(p, tuple) for p in r.plans.values()) for rs in replays.values() for r in rs)
     # The check can fail: the one-row graph's guards refuse a two-row step.
     two = [runner.batch.requests["0"], runner.batch.requests["1"]]
     step = runner.batch.prepare(two, [], {"0": 1, "1": 1})
     with pytest.raises(AssertionError, match="guards"):
         plan = runner.policy.plan(2, decode_only=True)
         runner.model(step.token_ids, step.positions, step.meta, plan, PartCalls(block=graphs["one"]))
+
+
+def _replays(layer_graphs: guard_free.LayerGraphs) -> list[guard_free.KernelReplay]:
+    graphs = set(layer_graphs.graphs.values())
+    return [v for g in graphs for v in g.call.__globals__.values() if isinstance(v, guard_free.KernelReplay)]
 
 
 def test_step_inputs_are_written_in_place_and_grow():

@@ -81,6 +81,7 @@ class StepBudget:
         self.shared_at = -math.inf  # when a step last served several client requests (time.monotonic())
         self.aside_at = -2  # the observed steps' count when bulk work last stood aside for prompts
         self.fit: tuple[float, ...] | None = None  # costs(), solved once a step
+        self.support = np.zeros(self.N, dtype=bool)  # the costs the last fit made positive
 
     @classmethod
     def of(cls, cfg: SchedulerConfig) -> StepBudget | None:
@@ -142,15 +143,34 @@ class StepBudget:
             self.fit = self._solve()
 
     def _solve(self) -> tuple[float, ...]:
-        """Non-negative least squares over the costs: the best of the fits on each subset of them whose
-        costs all come out non-negative (the others zero), all subsets solved at once."""
-        xx, keep = self.xx + self.RIDGE, self.SUBSETS
+        """Non-negative least squares over the costs (a convex problem: one optimum). Step after step the
+        costs that come out positive rarely change, so the last fit's are tried first (`_on_support`);
+        else every subset of them (`_best_subset`)."""
+        xx = self.xx + self.RIDGE
+        best = self._on_support(xx)
+        best = self._best_subset(xx) if best is None else best
+        self.support = best > 0
+        return tuple(float(c) / scale for c, scale in zip(best, self.SCALES))  # x's scales undone
+
+    def _best_subset(self, xx: np.ndarray) -> np.ndarray:
+        """The best of the fits on each subset of the costs whose costs all come out non-negative (the
+        others zero), all subsets solved at once."""
+        keep = self.SUBSETS
         systems = np.where(keep[:, :, None] & keep[:, None, :], xx, np.eye(self.N))  # the rest solve to 0
         beta = np.linalg.solve(systems, np.where(keep, self.xt, 0.0)[..., None])[..., 0]
         loss = np.einsum("si,ij,sj->s", beta, xx, beta) - 2 * beta @ self.xt  # squared error, less a constant
         loss[(beta < 0).any(axis=1)] = 0.0
-        best = beta[loss.argmin()] if loss.min() < 0 else np.zeros(self.N)
-        return tuple(float(c) / scale for c, scale in zip(best, self.SCALES))  # x's scales undone
+        return beta[loss.argmin()] if loss.min() < 0 else np.zeros(self.N)
+
+    def _on_support(self, xx: np.ndarray) -> np.ndarray | None:
+        """The fit on the last fit's positive costs, if it is the optimum: those costs positive again, and
+        none of the others would lower the squared error by growing from zero."""
+        keep, beta = self.support, np.zeros(self.N)
+        if keep.any():
+            beta[keep] = np.linalg.solve(xx[np.ix_(keep, keep)], self.xt[keep])
+        if (beta[keep] <= 0).any() or (self.xt - xx @ beta)[~keep].max(initial=0.0) > 0:
+            return None
+        return beta
 
     def probing(self) -> bool:
         """Whether the next step that carries streams' decodes carries no bulk work (every step that does

@@ -130,21 +130,25 @@ class KernelReplay:
 
     @classmethod
     def replayable(cls, module: Callable) -> bool:
-        """Whether the wrapper calls nothing but allocations, views and C++ kernels (and `args.clear`)."""
+        """Whether the wrapper calls nothing but allocations, views and C++ kernels (and `args.clear`),
+        and reads no attribute but torch's dtypes: no size or stride read from a tensor."""
         try:
             tree = ast.parse(textwrap.dedent(inspect.getsource(module.__func__)))
         except (AttributeError, OSError, TypeError, SyntaxError):
             return False
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.Call):
-                continue
-            f = node.func
-            if isinstance(f, ast.Name) and (f.id in cls._WRAPPER_CALLS or f.id.startswith("cpp_fused")):
-                continue
-            if isinstance(f, ast.Attribute) and f.attr == "clear" and getattr(f.value, "id", "") == "args":
-                continue
-            return False
-        return True
+
+        def allowed(node: ast.AST) -> bool:
+            if isinstance(node, ast.Attribute):
+                owner = getattr(node.value, "id", "")
+                return owner == "torch" or (owner == "args" and node.attr == "clear")
+            if isinstance(node, ast.Call):
+                f = node.func
+                if isinstance(f, ast.Name):
+                    return f.id in cls._WRAPPER_CALLS or f.id.startswith("cpp_fused")
+                return isinstance(f, ast.Attribute) and f.attr == "clear"  # args.clear(), checked above
+            return True
+
+        return all(allowed(node) for node in ast.walk(tree))
 
     def __call__(self, *args: object) -> tuple[Tensor, ...]:
         if self.sizes is None:

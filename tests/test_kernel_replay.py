@@ -106,3 +106,32 @@ def test_calls_with_large_intermediates_run_their_wrapper(monkeypatch):
     x = torch.randn(3, 8)
     torch.testing.assert_close(graph(x, w)[0], _norm_and_project(x, w))
     assert len(made) > 1 and list(replay.plans.values()) == [guard_free._NEVER]
+
+
+empty_strided_cpu = cpp_fused_0 = None  # the names the wrappers below call
+
+
+class _Wrappers:
+    """Wrapper sources as Inductor writes them: one reads a size from a tensor, one gets it as an argument."""
+
+    def reads_a_size(self, args):
+        arg0_1 = args[0]
+        args.clear()
+        s0 = arg0_1.shape[0]
+        buf0 = empty_strided_cpu((s0,), (1,), torch.float32)
+        cpp_fused_0(arg0_1, buf0, s0)
+        return (buf0,)
+
+    def takes_its_size(self, args):
+        arg0_1, arg1_1 = args
+        args.clear()
+        s0 = arg1_1
+        buf0 = empty_strided_cpu((s0,), (1,), torch.float32)
+        cpp_fused_0(arg0_1, buf0, s0)
+        return (buf0,)
+
+
+def test_a_wrapper_that_reads_a_tensors_size_is_not_replayed():
+    """Its sizes would not all come from the arguments the plans are keyed by."""
+    assert not KernelReplay.replayable(_Wrappers().reads_a_size)
+    assert KernelReplay.replayable(_Wrappers().takes_its_size)

@@ -72,8 +72,18 @@ class GuardFreeGraph:
         if len(modules) != 1 or None in modules.values():
             return
         direct = types.FunctionType(self.entry.code, {**g, **modules}, self.fn.__name__)
-        # Until its third call with the same sizes a replayed module runs its wrapper: check them all.
-        if all(verify(self.call, direct) for _ in range(KernelReplay.CALLS_TO_REPLAY)):
+        # A replayed module runs its wrapper, records, then replays: the replay is checked on buffers
+        # filled with NaN, so a kernel it skipped or misrouted cannot pass on what the recording left.
+        replays = [m for m in modules.values() if isinstance(m, KernelReplay)]
+        ok = all(verify(self.call, direct) for _ in range(KernelReplay.CALLS_TO_REPLAY - 1))
+        for replay in replays:
+            replay.poison = True
+        try:
+            ok = ok and verify(self.call, direct)
+        finally:
+            for replay in replays:
+                replay.poison = False
+        if ok:
             self.call, self.direct = direct, True
         else:
             logger.warning(
@@ -125,17 +135,22 @@ class KernelReplay:
 
     def __init__(self, module: Callable) -> None:
         self.module, self.globals = module, module.__func__.__globals__
+        self.poison = False  # fill kept and new float buffers with NaN before a replay (its self-check)
         self.plans: OrderedDict[tuple, object] = OrderedDict()  # by the arguments that are not tensors
         self.sizes: list[int] | None = None  # their positions: the graph's dynamic sizes
 
     @classmethod
     def replayable(cls, module: Callable) -> bool:
-        """Whether the wrapper calls nothing but allocations, views and C++ kernels (and `args.clear`),
-        and reads no attribute but torch's dtypes: no size or stride read from a tensor."""
+        """Whether the wrapper calls nothing but allocations, views and C++ kernels (and `args.clear`), the
+        kernels as statements on positional arguments, and reads no attribute but torch's dtypes: no size
+        or stride read from a tensor."""
         try:
             tree = ast.parse(textwrap.dedent(inspect.getsource(module.__func__)))
         except (AttributeError, OSError, TypeError, SyntaxError):
             return False
+
+        # A kernel's result would be replayed as recorded: kernels are called as statements.
+        statements = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
 
         def allowed(node: ast.AST) -> bool:
             if isinstance(node, ast.Attribute):
@@ -143,8 +158,11 @@ class KernelReplay:
                 return owner == "torch" or (owner == "args" and node.attr == "clear")
             if isinstance(node, ast.Call):
                 f = node.func
+                if isinstance(f, ast.Name) and f.id.startswith("cpp_fused"):
+                    plain = not node.keywords and not any(isinstance(a, ast.Starred) for a in node.args)
+                    return plain and id(node) in statements
                 if isinstance(f, ast.Name):
-                    return f.id in cls._WRAPPER_CALLS or f.id.startswith("cpp_fused")
+                    return f.id in cls._WRAPPER_CALLS
                 return isinstance(f, ast.Attribute) and f.attr == "clear"  # args.clear(), checked above
             return True
 
@@ -178,6 +196,10 @@ class KernelReplay:
         made: list[Tensor] = []
         for base, spec in making:
             made.append(empty(*spec) if base is None else view(made[base], *spec))
+        if self.poison:
+            for t in made + [x for _, template, _, _ in calls for x in template if isinstance(x, Tensor)]:
+                if t.is_floating_point():
+                    t.fill_(float("nan"))
         for kernel, template, inputs, fresh in calls:
             a = template.copy()
             for at, i in inputs:
@@ -191,7 +213,7 @@ class KernelReplay:
         """One call through the wrapper, its allocations, views and kernel calls logged, and the plan to
         replay it. The outputs' allocations, and the views of them, are made anew in each replay; _NEVER
         where an output or a view is not of an allocation (one of an input would keep the recorded one),
-        or where the intermediates are large."""
+        where one tensor is two inputs, or where the intermediates are large."""
         names = [n for n in self.globals if n in self._WRAPPER_CALLS or n.startswith("cpp_fused")]
         saved = {n: self.globals[n] for n in names}
         made, kernel_calls = [], []  # (base or None, spec, tensor): the objects kept, their ids unique
@@ -228,6 +250,8 @@ class KernelReplay:
                 index[id(t)] = len(making)
                 making.append((None if base is None else index[id(base)], spec))
         inputs = {id(a): i for i, a in enumerate(args) if isinstance(a, Tensor)}
+        if len(inputs) < sum(isinstance(a, Tensor) for a in args):  # one tensor at two positions
+            return outputs, _NEVER
         calls = []
         for kernel, a in kernel_calls:
             ins = [(at, inputs[id(x)]) for at, x in enumerate(a) if id(x) in inputs]

@@ -122,6 +122,20 @@ class _Wrappers:
         cpp_fused_0(arg0_1, buf0, s0)
         return (buf0,)
 
+    def uses_a_kernels_result(self, args):
+        arg0_1, arg1_1 = args
+        args.clear()
+        buf0 = empty_strided_cpu((arg1_1,), (1,), torch.float32)
+        done = cpp_fused_0(arg0_1, buf0, arg1_1)
+        return (buf0, done)
+
+    def passes_a_keyword(self, args):
+        arg0_1, arg1_1 = args
+        args.clear()
+        buf0 = empty_strided_cpu((arg1_1,), (1,), torch.float32)
+        cpp_fused_0(arg0_1, out=buf0)
+        return (buf0,)
+
     def takes_its_size(self, args):
         arg0_1, arg1_1 = args
         args.clear()
@@ -135,3 +149,26 @@ def test_a_wrapper_that_reads_a_tensors_size_is_not_replayed():
     """Its sizes would not all come from the arguments the plans are keyed by."""
     assert not KernelReplay.replayable(_Wrappers().reads_a_size)
     assert KernelReplay.replayable(_Wrappers().takes_its_size)
+
+
+def test_a_wrapper_that_uses_a_kernels_result_or_keywords_is_not_replayed():
+    assert not KernelReplay.replayable(_Wrappers().uses_a_kernels_result)
+    assert not KernelReplay.replayable(_Wrappers().passes_a_keyword)
+
+
+def test_the_self_check_catches_a_replay_that_skips_its_kernels(monkeypatch):
+    """The replaying call is checked (on buffers filled with NaN): a replay that runs no kernel fails it,
+    and the graph keeps its wrapper."""
+    replay = KernelReplay._replay
+    monkeypatch.setattr(
+        KernelReplay, "_replay", lambda self, plan, args: replay(self, (plan[0], [], plan[2]), args)
+    )
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+        return (_norm_and_project(x, w),)
+
+    x, w = torch.randn(3, 8), torch.randn(8, 16)
+    torch.compile(fn, dynamic=True, fullgraph=True, options=dict(INDUCTOR_FLAGS))(x, w)
+    graph = GuardFreeGraph.lookup(fn, x, w)
+    graph.go_direct(lambda wrapped, direct: all(map(torch.allclose, wrapped(x, w), direct(x, w))))
+    assert not graph.direct

@@ -277,8 +277,10 @@ class CompilePolicy:
     def head_plan(self, rows: int) -> MatmulPlan:
         """How the LM head multiplies `rows` rows, whatever the step (a prefill's few sampled rows too): a
         few reduce where a decode step's layers would, except on a packed head, where one weight read for
-        all rows beats one a row from two rows on, and which is then the head's matmul from two rows on."""
-        packed = getattr(self.model.output, "prepacked", None) is not None
+        all rows beats one a row from two rows on, and which is then the head's matmul from two rows on. A
+        quantized head's packed copy is its `gemm`."""
+        head = self.model.output
+        packed = getattr(head, "prepacked", None) is not None or getattr(head, "gemm", None) is not None
         few = self.plans["few"].linear.matvec and rows <= self.few_rows and not packed
         return self.plans["one" if rows == 1 or few else "more"].linear
 

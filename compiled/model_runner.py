@@ -70,7 +70,7 @@ class ModelRunner:
         self.weight_bytes = sum(p.numel() * p.element_size() for p in params)
         # A packed copy doubles the weights' memory: made only where most of the RAM stays for the KV cache.
         if device.type == "cpu" and self.weight_bytes <= available_ram() * PACKED_COPY_RAM_FRACTION:
-            self.model.pack_weights()
+            self.model.pack_weights(dtype)
         packed = [m.prepacked for m in self.model.modules() if getattr(m, "prepacked", None) is not None]
         packed_bytes = sum(w.numel() * w.element_size() for w in packed)
         logger.info(

@@ -10,8 +10,8 @@ whole-vector loads. 4-bit fields of a row lie in int32 words in order (field `k`
 k // per_word, bits (k % per_word) * bits); 8-bit fields are signed bytes (q - 128), [tiles, K, TILE],
 which one vector load widens straight to floats, so a symmetric 8-bit format has no min term at all.
 Scales and mins are float32 in the same tiling: half-precision ones ran slower. More rows (prefill,
-larger decode batches) go through the int8 GEMM's copy of the weight where the loader made one
-(compiled/w8a8.py), else de-quantize the weight slice by slice for the matmul.
+larger decode batches) go through a copy of the weight where one was made (the int8 GEMM's,
+compiled/w8a8.py; the LM head's float one), else de-quantize the weight slice by slice for the matmul.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from compiled.models.linear import PackedProduct, cpu_matmul_dtype, packable
 from compiled.plan import MatmulPlan, force_stride_order
 
 TILE = 16  # rows per tile: one AVX-512 vector of float32, two AVX2 ones (eight ran much slower on AVX-512)
@@ -275,8 +276,9 @@ def _per_word(t: Tensor, rep: int) -> Tensor:
 
 class QuantLinear(nn.Module):
     """A linear layer whose weight is packed: one row, or a few (the plan's `matvec`), through the fused
-    reduction; more rows through `gemm`, an int8 GEMM's copy of the weight (compiled/w8a8.py: Int8Gemm),
-    where the loader made one, else de-quantized for the matmul, CHUNK_ROWS weight rows at a time.
+    reduction; more rows through `gemm`, a copy of the weight where one was made (a layer's for an int8
+    GEMM, compiled/w8a8.py: Int8Gemm; the LM head's in float, `pack`), else de-quantized for the matmul,
+    CHUNK_ROWS weight rows at a time.
 
     Inside a compiled layer the slices' products unroll into the layer's graph. The LM head has many more
     slices (24 for SmolLM2's vocabulary): the compile policy passes it `kernels` with one graph called
@@ -304,6 +306,15 @@ class QuantLinear(nn.Module):
 
     def add_to(self, h: Tensor, x: Tensor, how: MatmulPlan) -> Tensor:
         return h + self(x, how)
+
+    def pack(self, dtype: torch.dtype) -> None:
+        """Several rows of `dtype` multiply a copy of the weight as de-quantized, packed for oneDNN in the
+        dtype their product runs in, where it packs: for the LM head, whose slices de-quantized anew each
+        step cost more than its product."""
+        dtype = cpu_matmul_dtype(dtype)
+        weight = self.packed.rows(torch.arange(self.out_features, device=self.packed.scale.device)).to(dtype)
+        if packable(weight, dtype):
+            self.gemm = PackedProduct(weight)
 
     def reduce(self, x: Tensor) -> Tensor:
         """One row or a few through the fused reduction."""

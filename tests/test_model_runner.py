@@ -311,14 +311,18 @@ def module_state(model: torch.nn.Module) -> dict:
     return state
 
 
-@pytest.mark.parametrize("quantization", ["none", "int4"])
+@pytest.mark.parametrize("quantization", ["none", "int4", "int4-sliced-head"])
 def test_no_recompile_after_warmup(tiny_llama, monkeypatch, quantization):
     """Every kind of step (one row, a few, more, mixed with chunks) after the warm-up: nothing compiles,
-    and no module or module class changes: a step's choices travel in its plan."""
+    and no module or module class changes: a step's choices travel in its plan. A quantized head without
+    its float copy (where oneDNN cannot pack one) de-quantizes slice by slice."""
     # Decode steps skip Dynamo's guards after the warm-up: check them anyway, on every call.
     monkeypatch.setattr(GuardFreeGraph, "check_guards", True)
     torch._dynamo.reset()  # graphs other tests compiled count against Dynamo's recompile limit
     monkeypatch.setattr(quant, "CHUNK_ROWS", 64)  # a quantized LM head of 320 rows in five slices
+    sliced = quantization == "int4-sliced-head"
+    if sliced:
+        monkeypatch.setattr(quant, "packable", lambda weight, dtype: False)
     runner = build_runner(
         tiny_llama,
         dtype="float32",
@@ -326,7 +330,7 @@ def test_no_recompile_after_warmup(tiny_llama, monkeypatch, quantization):
         num_kv_blocks=512,
         max_num_batched_tokens=64,
         max_model_len=256,
-        quantization=quantization,
+        quantization=quantization.removesuffix("-sliced-head"),
     )
     runner.initialize_kv_cache(512)
     before = module_state(runner.model)
@@ -334,16 +338,18 @@ def test_no_recompile_after_warmup(tiny_llama, monkeypatch, quantization):
     graphs = runner.policy.decode_graphs
     # Decode graphs for one row and for more, and for a few: quantized up to 4 or 8 rows, reduced together;
     # in float32 on packed weights 2 rows, whose matmuls run on the weights as stored.
-    few = quantization == "int4" or runner.model.layers[0].attention.wqkv.prepacked is not None
+    few = quantization != "none" or runner.model.layers[0].attention.wqkv.prepacked is not None
     assert set(graphs) == ({"one", "few", "more"} if few else {"one", "more"})
     assert all(isinstance(g, guard_free.LayerGraphs) for g in graphs.values())
     # One graph for every layer of a kind: the layers differ in nothing their graphs specialise on.
     assert all(len({id(x) for x in g.graphs.values()}) == 1 for g in graphs.values())
     assert all(g.direct for g in graphs.values())  # straight into Inductor's modules
-    if quantization == "int4":  # the head's five slices share one graph, called the same way
+    if quantization != "none":  # one row reduces over the head's blocks, more multiply its float copy
         kernels = runner.policy.head.args[0]
-        assert [g.direct for g in kernels.slice_product.graphs.values()] == [True]
-        assert [g.direct for g in kernels.matvec.graphs.values()] == [True, True]  # one row, a few
+        assert (runner.model.output.gemm is None) == sliced
+        # Sliced, the five slices share one graph, called the same way, and a few rows reduce.
+        assert [g.direct for g in kernels.slice_product.graphs.values()] == ([True] if sliced else [])
+        assert [g.direct for g in kernels.matvec.graphs.values()] == [True, True] if sliced else [True]
     # The step's ends likewise: the final norm (and a quantized embedding) for one row and for more.
     calls = runner.policy.calls
     ends = [c for c in (calls.norm, calls.embed) if isinstance(c, compile_policy._GuardFreeCalls)]
@@ -368,7 +374,7 @@ def test_no_recompile_after_warmup(tiny_llama, monkeypatch, quantization):
     # quantized reductions for a row or a few; not those calling oneDNN's or MKL's products.
     replays = {kind: _replays(g) for kind, g in graphs.items()}
     assert replays["more"] == []
-    if quantization == "int4":
+    if quantization != "none":
         assert replays["one"] and replays["few"]
     assert all(any(isinstance(p, tuple) for p in r.plans.values()) for rs in replays.values() for r in rs)
     # The check can fail: the one-row graph's guards refuse a two-row step.

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from compiled import loader, quant
+from compiled.compile_policy import CompilePolicy
 from compiled.gguf import _dequantize, own_blocks
 from compiled.loader import _place, resolve_quantization
 from compiled.models.linear import Linear
@@ -62,8 +63,12 @@ def test_packed_kernels_compute_the_dequantized_product(method, monkeypatch):
     assert torch.equal(_kn(packed, 1, 3, torch.bfloat16).T, dense[16:48].bfloat16())
     monkeypatch.setattr(quant, "CHUNK_ROWS", 32)  # several rows take the weight in two slices
     rows = torch.randn(3, 128)
-    product = QuantLinear(packed, None)(rows, MatmulPlan())
+    linear = QuantLinear(packed, None)
+    product = linear(rows, MatmulPlan())
     torch.testing.assert_close(product, rows @ dense.T, rtol=1e-5, atol=1e-5)
+    linear.pack(torch.float32)  # a copy packed for oneDNN holds the weight as de-quantized, exactly
+    assert linear.gemm is not None and torch.equal(linear(torch.eye(128), MatmulPlan()), dense.T)
+    torch.testing.assert_close(linear(rows, MatmulPlan()), rows @ dense.T, rtol=1e-5, atol=1e-5)
     ids = torch.tensor([0, 7, 8, 47])
     assert torch.equal(packed.rows(ids), dense[ids])
     matvec = torch.compile(packed.matvec, options=INDUCTOR_OPTIONS, dynamic=False)
@@ -122,6 +127,7 @@ def test_the_default_model_loads_its_blocks_with_int8_gemm_copies_by_default():
     layers = [m for m in runner.model.layers.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == (120 if loader.INT8_GEMMS else 0)
     assert all(m.gemm is not None for m in layers)
+    assert runner.model.output.gemm is not None  # the LM head's float copy
 
 
 def _dequantized_copy(model_dir: str, method: str, target) -> str:
@@ -138,6 +144,22 @@ def _dequantized_copy(model_dir: str, method: str, target) -> str:
                 module.weight.copy_(quantize(module.weight, method).dequantize())
     hf.save_pretrained(target)
     return str(target)
+
+
+def test_a_quantized_head_multiplies_several_rows_on_its_float_copy(tiny_model):
+    """De-quantized slice by slice each step, the head cost more than its product: from two rows on it
+    multiplies a packed copy, one row still reduces over the blocks."""
+    runner = build_runner(
+        tiny_model, quantization="int4", max_num_seqs=4, num_kv_blocks=16, enforce_eager=True
+    )
+    head = runner.model.output
+    assert isinstance(head, QuantLinear) and head.gemm is not None
+    policy = CompilePolicy(runner.model, torch.device("cpu"), enforce_eager=False, dtype=runner.dtype)
+    assert policy.few_rows > 1  # the layers' few-row steps still reduce
+    assert policy.head_plan(1).matvec and not policy.head_plan(2).matvec
+    rows = torch.randn(3, head.in_features, dtype=runner.dtype)
+    expected = rows.float() @ head.packed.rows(torch.arange(head.out_features)).T
+    torch.testing.assert_close(head(rows, policy.head_plan(3)).float(), expected, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])

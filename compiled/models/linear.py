@@ -96,12 +96,35 @@ class Linear(nn.Linear):
         original."""
         w = self.weight
         dtype = cpu_matmul_dtype(w.dtype)
-        if w.device.type == "cpu" and torch.backends.mkldnn.is_available() and dtype in PACKED_DTYPES:
-            # The row-count hint hardly matters: packed for 8, 32 or 64 rows, every count ran alike.
-            self.prepacked = torch.ops.mkldnn._reorder_linear_weight(w.detach().to(dtype), 64)
+        if packable(w, dtype):
+            self.prepacked = onednn_packed(w.detach().to(dtype))
+
+
+class PackedProduct(nn.Module):
+    """Rows [M, K] -> x @ Wᵀ [M, N] in W's dtype, through oneDNN on W packed once: the float product of a
+    weight kept in another form (a quantized LM head's, compiled/quant.py)."""
+
+    def __init__(self, weight: Tensor) -> None:
+        super().__init__()
+        self.register_buffer("prepacked", onednn_packed(weight), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.kiln.packed_linear(x.to(self.prepacked.dtype), self.prepacked, None)
 
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def onednn_packed(weight: Tensor) -> Tensor:
+    # The row-count hint hardly matters: packed for 8, 32 or 64 rows, every count ran alike.
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+
+
+def packable(weight: Tensor, dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs `weight` for products in `dtype` here."""
+    return weight.device.type == "cpu" and torch.backends.mkldnn.is_available() and dtype in PACKED_DTYPES
+
+
 # Prefill's row counts change step by step, where decode's are bucketed. In bfloat16 oneDNN's packed product
 # costs no more memory over many row counts than F.linear does, gives the same bits and runs sooner; in
 # float32 it grew a process several times more than F.linear did.

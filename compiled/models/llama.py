@@ -32,6 +32,7 @@ from compiled.attention import (
 from compiled.models.family import ModelFamily
 from compiled.models.linear import Linear
 from compiled.plan import OWN_CALLS, MatmulPlan, PartCalls, StepPlan, call_module
+from compiled.quant import QuantLinear
 
 
 @dataclass
@@ -309,13 +310,16 @@ class Transformer(nn.Module):
         logits = softcapped(head(self.output, hidden, how).float(), self.args.logit_softcap)
         return logits if self.args.tp_size == 1 else parallel.gather_vocab(logits, self.args.vocab_size)
 
-    def pack_weights(self) -> None:
+    def pack_weights(self, dtype: torch.dtype) -> None:
         """Every plain Linear's weight packed for oneDNN (`Linear.pack`), the LM head's included: the
         largest matmul of a decode step, whose logits then come out row-major, which the sampler's row
-        maxima read several times faster than the transposed product. Quantized layers keep their own."""
+        maxima read several times faster than the transposed product. A quantized head gets a float copy
+        packed for products of `dtype` rows (`QuantLinear.pack`); quantized layers keep their own."""
         for module in self.modules():
             if type(module) is Linear:
                 module.pack()
+        if isinstance(self.output, QuantLinear):
+            self.output.pack(dtype)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
         for layer in self.layers:

@@ -5,9 +5,9 @@ budget is right for one machine and model only; this one keeps a step with a chu
 times the time of a decode-only step of the same streams, whatever the machine computes per token.
 
 While prompts wait, their clients wait for a first token as the running ones wait for a next one: the
-room for chunks grows with the ratio of waiting to running requests. However the prompts are cut into
-steps, the running streams pay for the same prompt compute in all; larger steps only gather it into
-fewer pauses, and let the waiting prompts in sooner.
+room for chunks grows with the ratio of waiting to running requests, each waiting one counted twice.
+However the prompts are cut into steps, the running streams pay for the same prompt compute in all;
+larger steps only gather it into fewer pauses, and let the waiting prompts in sooner.
 
 Beside other clients' streams the scheduler prices work in chunk tokens at the start of a prompt
 (`price`): a decode by the context it reads, a chunk by its depth in its prompt, whose attention grows
@@ -65,6 +65,9 @@ class StepBudget:
     LONE_SECONDS = 0.5  # where that is more: another client's request that comes meanwhile waits as long
     # A tenth of a second within a second of serving several client requests: others are likely back soon.
     RECENT_LONE_SECONDS, RECENT_S = 0.1, 1.0
+    # A waiting request counts as this many running ones in the room for chunks: a burst's last first
+    # token waits for every prompt before it, a stream's next token for one step.
+    WAITING = 2
     DEPTH = 64  # a token deeper in its sequence costs one more chunk token per DEPTH tokens at most
     # Costs: fixed, per row, per kilo context token, per kilo distinct one, per chunk token, per kilo pair,
     # per kilo token of depth.
@@ -208,7 +211,7 @@ class StepBudget:
         if (unit := self._unit()) <= 0 or decode_step <= 0:  # no fit yet, or one that prices nothing
             return None
         stretch = self.stretch if stretch is None else stretch
-        return (stretch - 1.0) * (1.0 + waiting / max(running, 1)) * decode_step / unit
+        return (stretch - 1.0) * (1.0 + self.WAITING * waiting / max(running, 1)) * decode_step / unit
 
     def lone_tokens(self) -> int:
         """Tokens of a step that carries a lone request's work: LONE - 1 times what a step costs that

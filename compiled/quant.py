@@ -311,10 +311,10 @@ class QuantLinear(nn.Module):
         """Several rows of `dtype` multiply a copy of the weight as de-quantized, packed for oneDNN in the
         dtype their product runs in, where it packs: for the LM head, whose slices de-quantized anew each
         step cost more than its product."""
-        dtype = cpu_matmul_dtype(dtype)
-        weight = self.packed.rows(torch.arange(self.out_features, device=self.packed.scale.device)).to(dtype)
-        if packable(weight, dtype):
-            self.gemm = PackedProduct(weight)
+        dtype, device = cpu_matmul_dtype(dtype), self.packed.scale.device
+        if packable(device, dtype):
+            weight = self.packed.rows(torch.arange(self.out_features, device=device))
+            self.gemm = PackedProduct(weight.to(dtype))
 
     def reduce(self, x: Tensor) -> Tensor:
         """One row or a few through the fused reduction."""

@@ -322,7 +322,7 @@ def test_no_recompile_after_warmup(tiny_llama, monkeypatch, quantization):
     monkeypatch.setattr(quant, "CHUNK_ROWS", 64)  # a quantized LM head of 320 rows in five slices
     sliced = quantization == "int4-sliced-head"
     if sliced:
-        monkeypatch.setattr(quant, "packable", lambda weight, dtype: False)
+        monkeypatch.setattr(quant, "packable", lambda device, dtype: False)
     runner = build_runner(
         tiny_llama,
         dtype="float32",
@@ -349,7 +349,7 @@ def test_no_recompile_after_warmup(tiny_llama, monkeypatch, quantization):
         assert (runner.model.output.gemm is None) == sliced
         # Sliced, the five slices share one graph, called the same way, and a few rows reduce.
         assert [g.direct for g in kernels.slice_product.graphs.values()] == ([True] if sliced else [])
-        assert [g.direct for g in kernels.matvec.graphs.values()] == [True, True] if sliced else [True]
+        assert [g.direct for g in kernels.matvec.graphs.values()] == ([True, True] if sliced else [True])
     # The step's ends likewise: the final norm (and a quantized embedding) for one row and for more.
     calls = runner.policy.calls
     ends = [c for c in (calls.norm, calls.embed) if isinstance(c, compile_policy._GuardFreeCalls)]

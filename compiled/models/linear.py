@@ -96,7 +96,7 @@ class Linear(nn.Linear):
         original."""
         w = self.weight
         dtype = cpu_matmul_dtype(w.dtype)
-        if packable(w, dtype):
+        if packable(w.device, dtype):
             self.prepacked = onednn_packed(w.detach().to(dtype))
 
 
@@ -120,9 +120,9 @@ def onednn_packed(weight: Tensor) -> Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, 64)
 
 
-def packable(weight: Tensor, dtype: torch.dtype) -> bool:
-    """Whether oneDNN packs `weight` for products in `dtype` here."""
-    return weight.device.type == "cpu" and torch.backends.mkldnn.is_available() and dtype in PACKED_DTYPES
+def packable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs weights on `device` for products in `dtype`."""
+    return device.type == "cpu" and torch.backends.mkldnn.is_available() and dtype in PACKED_DTYPES
 
 
 # Prefill's row counts change step by step, where decode's are bucketed. In bfloat16 oneDNN's packed product

@@ -7,6 +7,7 @@ allocates nothing for them and, on CUDA, copies them from pinned memory without 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -302,15 +303,22 @@ def sampling_inputs(
         m.frequency = f32([p.frequency_penalty for p in params])
         m.repetition = f32([p.repetition_penalty for p in params])
         counts = torch.zeros(len(rows), vocab_size, dtype=torch.int32)
+        output = _row_tokens([s.token_ids[s.num_prompt_tokens :] + d for s, d in rows])
+        counts.index_put_(output, torch.ones(len(output[0]), dtype=torch.int32), accumulate=True)
         seen = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
-        for i, (s, d) in enumerate(rows):
-            out = torch.tensor(s.token_ids[s.num_prompt_tokens :] + d, dtype=torch.int64)
-            counts[i].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
-            seen[i, torch.tensor(s.token_ids + d, dtype=torch.int64)] = True
+        seen[_row_tokens([s.token_ids + d for s, d in rows])] = True
         m.output_counts, m.seen_mask = counts.to(device), seen.to(device)
     if any(s.sampling_params.banned_or_biased(len(s.token_ids) - s.num_prompt_tokens) for s in states):
         m.logit_bias = logit_bias(rows, vocab_size).to(device)
     return m
+
+
+def _row_tokens(lists: list[list[int]]) -> tuple[Tensor, Tensor]:
+    """Each token of each row's list as (row, token) index tensors: one indexed write for a whole step,
+    where a write per row cost more than the sampling."""
+    lens = np.fromiter(map(len, lists), np.int64, len(lists))
+    tokens = np.fromiter(itertools.chain.from_iterable(lists), np.int64, int(lens.sum()))
+    return torch.from_numpy(np.repeat(np.arange(len(lists)), lens)), torch.from_numpy(tokens)
 
 
 def banned_tokens(s: CachedRequestState, output: list[int]) -> set[int]:

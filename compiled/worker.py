@@ -242,4 +242,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from engine.processes import end_process
+
     main()
+    end_process()

@@ -42,7 +42,7 @@ from engine.messages import (
     UtilityCall,
     UtilityResult,
 )
-from engine.processes import die_with_parent
+from engine.processes import die_with_parent, end_process
 from engine.proposer import make_proposer
 from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -395,3 +395,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_process()

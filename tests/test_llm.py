@@ -61,18 +61,23 @@ def reference(prompts, smollm2_hf):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "engine_args",
+    "engine_args, count",
     [
-        dict(),  # compiled, prefix caching and chunked prefill on
+        (dict(), 16),  # compiled, prefix caching and chunked prefill on
         # Prompts prefill over several steps, nothing comes from the prefix cache, and a cache too small
-        # for 16 sequences at once forces preemptions.
-        dict(enforce_eager=True, max_num_batched_tokens=24, enable_prefix_caching=False, num_kv_blocks=12),
+        # for 10 sequences at once forces preemptions.
+        (
+            dict(
+                enforce_eager=True, max_num_batched_tokens=24, enable_prefix_caching=False, num_kv_blocks=12
+            ),
+            10,
+        ),
     ],
     ids=["compiled", "chunked-preempted-no-prefix-caching"],
 )
-def test_greedy_is_token_exact_with_transformers(prompts, reference, engine_args):
+def test_greedy_is_token_exact_with_transformers(prompts, reference, engine_args, count):
     # Eager steps of 24 tokens are many: half the tokens still cross pages and outlast preemptions.
-    n = 32 if engine_args.get("enforce_eager") else 64
+    n, prompts = (32 if engine_args.get("enforce_eager") else 64), prompts[:count]
     with LLM(
         dtype="float32", max_num_seqs=16, max_model_len=512, **{"kv_cache_memory": 1 << 28, **engine_args}
     ) as llm:

@@ -266,7 +266,7 @@ def test_bfloat16_teacher_forced_matches_transformers_bfloat16(smollm2_dir, smol
     from transformers import AutoTokenizer
 
     prompts = chat_prompts(AutoTokenizer.from_pretrained(smollm2_dir), 9)
-    sequences = [p + out for p, out in zip(prompts, hf_greedy_batch(smollm2_hf, prompts, 64))]
+    sequences = [p + out for p, out in zip(prompts, hf_greedy_batch(smollm2_hf, prompts, 32))]
     torch._dynamo.reset()
     runner = build_runner(smollm2_dir, dtype="bfloat16", max_num_seqs=16, num_kv_blocks=128)
     runner.initialize_kv_cache(128)

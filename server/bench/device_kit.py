@@ -23,6 +23,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -134,8 +135,12 @@ def _lacking(name: str) -> bool:
 
 
 def dry_run(kit: Path, out: Path) -> int:
-    """`run --device cpu` in a fresh venv that sees this venv's packages but those a torch image lacks."""
-    work = Path(tempfile.mkdtemp(prefix="kiln-device-"))
+    """`run --device cpu` in a fresh venv that sees this venv's packages but those a torch image lacks.
+    Built afresh at the same path each time: Inductor's cache keys hold the paths of torch's headers, and a
+    new path would compile every graph again."""
+    work = Path(tempfile.gettempdir()) / f"kiln-device-dry-run-{os.getuid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
     try:
         # No pip of its own: the image's, linked below, installs the kit.
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(work / "venv")], check=True)

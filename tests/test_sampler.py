@@ -3,7 +3,9 @@ import math
 import pytest
 import torch
 
+from compiled.input_batch import CachedRequestState, sampling_inputs
 from compiled.sampler import SamplingMetadata, apply_penalties, filter_probs, sample, uniform_noise
+from engine.params import SamplingParams
 
 
 def meta(rows: int, **kw) -> SamplingMetadata:
@@ -76,6 +78,21 @@ def test_penalties_follow_their_formulas():
     out = apply_penalties(logits.clone(), m)
     expected = [2.0 / 2 - 0.25 * 2 - 0.5, -1.0 * 2, 0.5 / 2 - 0.25 - 0.5, 3.0, -2.0]
     assert torch.allclose(out, torch.tensor([expected]))
+
+
+def test_a_rows_penalty_counts_are_its_output_and_the_drafts_before_it():
+    params = SamplingParams(temperature=1.0, presence_penalty=0.5)
+    a = CachedRequestState("a", [1, 2, 3, 3, 4], 3, params, 0, 0, 0, 0)  # prompt 1 2 3, output 3 4
+    b = CachedRequestState("b", [5], 1, params, 1, 0, 0, 0)  # no output yet
+    m = sampling_inputs([a, b], 8, torch.device("cpu"), [[4, 6], []])  # rows: a, a 4, a 4 6, b
+    assert m.output_counts.tolist() == [
+        [0, 0, 0, 1, 1, 0, 0, 0],
+        [0, 0, 0, 1, 2, 0, 0, 0],
+        [0, 0, 0, 1, 2, 0, 1, 0],
+        [0] * 8,
+    ]
+    seen = [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4, 6], [5]]
+    assert m.seen_mask.tolist() == [[t in row for t in range(8)] for row in seen]
 
 
 def test_greedy_rows_take_the_argmax_beside_sampled_rows():

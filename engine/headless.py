@@ -7,6 +7,7 @@ fresh one whenever the last one ends: its front end left, another took over, or 
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import time
 from engine import cluster
 
 HOST_FAILED = 3  # a headless core's exit code when it cannot listen or import its worker
+STOP_S = 10.0  # how long a stopped host waits for its core to exit before killing it
 
 logger = logging.getLogger("kiln.core")
 
@@ -21,12 +23,24 @@ logger = logging.getLogger("kiln.core")
 def serve_headless(address: str, key_file: str | None = None) -> int:
     """`kiln serve --headless`: keep an engine core listening at `address` for a front end, a fresh one
     after each front end leaves (or its core fails), until stopped. A core that cannot listen or import
-    its worker (HOST_FAILED) ends it: no other would fare better."""
+    its worker (HOST_FAILED) ends it: no other would fare better. Stopped (SIGTERM, Ctrl-C), it stops its
+    core and waits for it: the kernel's parent-death signal misses a core still importing torch."""
     cluster.check_listen(address, cluster.load_key(key_file))  # here, not in each core
     logger.info("headless engine core at %s and the port after it; waiting for a front end", address)
     key = ["--cluster-key-file", key_file] if key_file else []
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     while True:
-        code = subprocess.call([sys.executable, "-m", "engine.core", "--listen", address, *key])
+        core = subprocess.Popen([sys.executable, "-m", "engine.core", "--listen", address, *key])
+        try:
+            code = core.wait()
+        finally:
+            if core.poll() is None:
+                core.terminate()
+                try:
+                    core.wait(STOP_S)
+                except subprocess.TimeoutExpired:
+                    core.kill()
+                    core.wait()
         if code == HOST_FAILED:
             logger.error("the engine core cannot run on this host (exit code %d)", code)
             return code

@@ -21,6 +21,7 @@ import pytest
 from engine.llm import LLM, SamplingParams
 from engine.processes import free_port
 from server import cli
+from tests.conftest import children_of
 from tests.test_server_lifecycle import ROOT, start
 
 GREEDY = {"max_tokens": 8, "temperature": 0}
@@ -174,6 +175,23 @@ def _cmdline(proc: Path) -> bytes:
         return (proc / "cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def test_a_stopped_headless_host_stops_its_core_even_one_still_starting(tmp_path):
+    host = subprocess.Popen(
+        [sys.executable, "-m", "server", "--headless", "--port", str(listening_port())],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while not (cores := children_of(host.pid, "engine.core")):
+        assert time.monotonic() < deadline and host.poll() is None, "the host started no core"
+        time.sleep(0.01)
+    host.terminate()  # while the core imports torch, before the kernel would kill it with its parent
+    assert host.wait(30) == 0
+    assert not Path(f"/proc/{cores[0]}").exists()
 
 
 def test_headless_takes_no_model_or_engine_flags(capsys):

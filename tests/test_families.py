@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 from compiled.loader import load_config
 from compiled.models.family import family_of
@@ -27,6 +28,18 @@ def family(request, tmp_path_factory, smollm2_dir) -> str:
         if f.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(f, path / f.name)
     return str(path)
+
+
+def test_a_kept_config_reads_as_transformers_resolves_it(tiny_model, tmp_path, monkeypatch):
+    """Every family's config, resolved through transformers at the first start and read back from the
+    cache at later ones, gives the model transformers' own config object gives."""
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    expected = AutoConfig.from_pretrained(tiny_model)
+    resolved, kept = load_config(tiny_model), load_config(tiny_model)
+    assert len(list((tmp_path / "configs").iterdir())) == 1
+    assert resolved.model_type == kept.model_type == expected.model_type
+    assert ModelArgs.from_hf_config(resolved) == ModelArgs.from_hf_config(kept)
+    assert ModelArgs.from_hf_config(kept) == ModelArgs.from_hf_config(expected)
 
 
 def test_configs_are_read_as_their_families(family):

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from compiled import compile_policy, guard_free, quant
 from compiled.guard_free import GuardFreeGraph
 from compiled.input_batch import StepInputs, decode_buckets
+from compiled.loader import load_config
 from compiled.model_runner import ModelRunner
 from compiled.plan import PartCalls, call_module
 from engine.params import SamplingParams
@@ -492,8 +493,10 @@ def test_the_vector_isa_probe_imports_nothing_on_its_thread():
 
 def test_an_eager_worker_imports_neither_dynamo_nor_inductor(tiny_llama):
     """An engine core that runs its model eagerly prepares no compile: its worker's modules and its steps
-    (chunks, decodes) import neither Dynamo nor Inductor, seconds of every eager start; one that compiles
-    imports what its first compile needs while it waits for its config."""
+    (chunks, decodes) import neither Dynamo nor Inductor, seconds of every eager start, nor transformers
+    once the model's config is kept; one that compiles imports what its first compile needs while it waits
+    for its config."""
+    load_config(tiny_llama)  # a first start's
     code = textwrap.dedent(f"""
         import sys
         from engine.executor import prepare_worker
@@ -506,7 +509,8 @@ def test_an_eager_worker_imports_neither_dynamo_nor_inductor(tiny_llama):
         drv.add("b", [5, 6, 7])
         for _ in range(4):
             drv.step()
-        print(sorted({{m for m in sys.modules if m.startswith(("torch._dynamo", "torch._inductor"))}}))
+        heavy = ("torch._dynamo", "torch._inductor", "transformers")
+        print(sorted({{m for m in sys.modules if m.startswith(heavy)}}))
         prepare_worker("compile")
         print("torch._inductor.compile_fx" in sys.modules)
     """)

@@ -18,6 +18,7 @@ WORKER_MAY_IMPORT = {
     "engine.cluster",
     "engine.config",
     "engine.messages",
+    "engine.model_files",
     "engine.params",
     "engine.processes",
     "engine.step",

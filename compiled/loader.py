@@ -7,12 +7,10 @@ once into an HF directory (compiled/gguf.py), which later starts load like any o
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
 import re
-from importlib.metadata import version
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,37 +27,26 @@ from compiled.pipeline import Stage
 from compiled.quant import TILE, PackedWeight, QuantEmbedding, Quantized, QuantLinear, quantizable, quantize
 from compiled.w8a8 import INT8_ISA, add_int8_gemms, calibrate, int8_gemm, quantize_layers, weight_max
 from engine.config import pipeline_partition, tensor_parallel_error
-from engine.model_files import cache_root
+from engine.model_files import kept
 
 logger = logging.getLogger("kiln.loader")
 
 
 def load_config(model_dir: str) -> SimpleNamespace:
     """`model_dir`'s config as transformers resolves it (its class's defaults and derived fields, such as
-    `layer_types`), kept under the cache by the bytes of config.json and transformers' version: importing
-    transformers would cost every later start of a worker a second."""
+    `layer_types`), kept by the bytes of config.json (`kept`): importing transformers would cost every
+    later start a second."""
+
+    def resolve() -> dict:
+        from transformers import AutoConfig
+
+        return json.loads(AutoConfig.from_pretrained(model_dir).to_json_string(use_diff=False))
+
     try:
         raw = (Path(model_dir) / "config.json").read_bytes()
     except OSError:
-        raw = None  # transformers' own error names what is missing
-    key = hashlib.sha256((raw or b"") + version("transformers").encode()).hexdigest()
-    kept = cache_root() / "configs" / f"{key}.json"
-    if raw is not None and kept.exists():
-        try:
-            return SimpleNamespace(**json.loads(kept.read_text()))
-        except (OSError, ValueError):
-            pass  # torn or unreadable: resolved again below
-    from transformers import AutoConfig
-
-    resolved = AutoConfig.from_pretrained(model_dir).to_json_string(use_diff=False)
-    try:
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        tmp = kept.with_name(f"{kept.name}.tmp{os.getpid()}")
-        tmp.write_text(resolved)
-        tmp.replace(kept)  # whole or absent: another worker may be reading it
-    except OSError as e:
-        logger.warning("cannot keep %s's resolved config under %s: %s", model_dir, kept.parent, e)
-    return SimpleNamespace(**json.loads(resolved))
+        return SimpleNamespace(**resolve())  # transformers' own error names what is missing
+    return SimpleNamespace(**kept("configs", raw, resolve))
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

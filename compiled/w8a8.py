@@ -39,6 +39,7 @@ from compiled.attention_cpu import fresh_prompt_pages
 from compiled.models.linear import Linear
 from compiled.plan import MatmulPlan, StepPlan, force_stride_order
 from compiled.quant import PackedWeight, Quantized, QuantLinear, quantizable
+from engine.model_files import kept
 
 logger = logging.getLogger("kiln.loader")
 
@@ -46,6 +47,7 @@ ZERO_POINT = 128  # of the uint8 activations: signed values -127..127 shifted
 # SmoothQuant's migration strength: the share of an input channel's range moved into the weight.
 SMOOTHING = 0.6
 CALIBRATION = Path(__file__).with_name("calibration.json")
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")  # not read by a tokenizer, and large
 # oneDNN's x86 int8 ISAs, weakest first, as ONEDNN_MAX_CPU_ISA names them, with the CPU flag of each.
 ISAS = (
     ("AVX2", "avx2"),
@@ -173,16 +175,27 @@ class Int8Linear(nn.Module):
 
 
 def calibration_prompts(model_dir: str) -> list[list[int]]:
-    """The shipped calibration chats as the model's tokenizer writes them (its chat template, if any)."""
-    from transformers import AutoTokenizer
+    """The shipped calibration chats as the model's tokenizer writes them (its chat template, if any), kept
+    by the chats and every file of `model_dir` but its weights (`kept`): loading a tokenizer through
+    transformers took seconds of every quantized start."""
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    chats = json.loads(CALIBRATION.read_text())
-    if tokenizer.chat_template:
-        texts = [tokenizer.apply_chat_template(chat, tokenize=False) for chat in chats]
-    else:
-        texts = ["\n\n".join(m["content"] for m in chat) for chat in chats]
-    return [tokenizer(text, add_special_tokens=not tokenizer.chat_template)["input_ids"] for text in texts]
+    def resolve() -> list[list[int]]:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        chats = json.loads(CALIBRATION.read_text())
+        if tokenizer.chat_template:
+            texts = [tokenizer.apply_chat_template(chat, tokenize=False) for chat in chats]
+        else:
+            texts = ["\n\n".join(m["content"] for m in chat) for chat in chats]
+        special = not tokenizer.chat_template
+        return [tokenizer(text, add_special_tokens=special)["input_ids"] for text in texts]
+
+    key = [CALIBRATION.read_bytes()]
+    for f in sorted(Path(model_dir).iterdir()):
+        if f.is_file() and not f.name.endswith(WEIGHT_FILES):
+            key += [f.name.encode(), f.read_bytes()]
+    return kept("calibration", b"\0".join(key), resolve)
 
 
 def input_maxima(model: nn.Module, prompts: list[list[int]], block_size: int = 64) -> dict[str, Tensor]:

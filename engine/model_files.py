@@ -1,7 +1,9 @@
 """Where a model's files are, without torch: an HF directory as given, or the cached conversion of a GGUF.
 
 A GGUF file is de-quantized once (by the worker, which has torch: compiled/gguf.py) into an HF
-directory under the cache, keyed by the file's sha256; later starts load that directory directly.
+directory under the cache, keyed by the file's sha256; later starts load that directory directly. What a
+worker would otherwise import transformers for at each start (a config as it resolves it, the calibration
+chats as a tokenizer writes them) is kept there too (`kept`).
 """
 
 from __future__ import annotations
@@ -9,8 +11,14 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
+from collections.abc import Callable
+from importlib.metadata import version
 from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("kiln")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -28,6 +36,27 @@ def default_model_path() -> str:
 
 def cache_root() -> Path:
     return Path(os.environ.get("KILN_CACHE_DIR", Path.home() / ".cache" / "kiln"))
+
+
+def kept(kind: str, key: bytes, resolve: Callable[[], Any]) -> Any:
+    """`resolve()`, a JSON value computed through transformers, kept under the cache's `kind` folder by the
+    sha256 of `key` and transformers' version: later calls with the same key read it back instead.
+    Written whole under a temporary name and renamed, as other processes may read it meanwhile."""
+    digest = hashlib.sha256(key + version("transformers").encode()).hexdigest()
+    path = cache_root() / kind / f"{digest}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass  # not kept yet, or torn: resolved again
+    value = resolve()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(value))
+        tmp.replace(path)
+    except OSError as e:
+        logger.warning("cannot keep %s under %s (%s): later starts resolve it again", kind, path.parent, e)
+    return value
 
 
 def _sha256(path: str) -> str:

@@ -136,6 +136,27 @@ def test_w8a8_is_a_cpu_quantization_calibrated_by_the_model_s_tokenizer(smollm2_
         load_model(tiny_llama, torch.float32, torch.device("cpu"), "w8a8")  # no tokenizer
 
 
+def test_the_calibration_chats_are_kept_by_the_tokenizer_s_files(smollm2_dir, tmp_path, monkeypatch):
+    """Written once through transformers, read back without it; a changed chat template writes them anew."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in Path(smollm2_dir).iterdir():
+        if f.suffix != ".safetensors":
+            (model / f.name).write_bytes(f.read_bytes())
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    first = w8a8.calibration_prompts(str(model))
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    chat = json.loads(w8a8.CALIBRATION.read_text())[0]
+    assert first[0] == tokenizer.apply_chat_template(chat)["input_ids"]
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "transformers", None)  # any import of it fails
+        assert w8a8.calibration_prompts(str(model)) == first
+    template = model / "chat_template.jinja"
+    template.write_text("Chat:" + template.read_text())
+    assert w8a8.calibration_prompts(str(model))[0] == tokenizer.encode("Chat:") + first[0]
+    assert len(list((tmp_path / "cache" / "calibration").iterdir())) == 2
+
+
 @pytest.mark.slow
 def test_w8a8_perplexity_stays_near_float32(smollm2_dir):
     """Within 1.5 % where int8 products sum in 32 bits (measured +0.5 %); AVX2's 7-bit weights lose more

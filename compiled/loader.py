@@ -40,7 +40,7 @@ def load_config(model_dir: str) -> SimpleNamespace:
     def resolve() -> dict:
         from transformers import AutoConfig
 
-        return json.loads(AutoConfig.from_pretrained(model_dir).to_json_string(use_diff=False))
+        return AutoConfig.from_pretrained(model_dir).to_dict()
 
     try:
         raw = (Path(model_dir) / "config.json").read_bytes()

@@ -47,7 +47,6 @@ ZERO_POINT = 128  # of the uint8 activations: signed values -127..127 shifted
 # SmoothQuant's migration strength: the share of an input channel's range moved into the weight.
 SMOOTHING = 0.6
 CALIBRATION = Path(__file__).with_name("calibration.json")
-WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")  # not read by a tokenizer, and large
 # oneDNN's x86 int8 ISAs, weakest first, as ONEDNN_MAX_CPU_ISA names them, with the CPU flag of each.
 ISAS = (
     ("AVX2", "avx2"),
@@ -176,8 +175,9 @@ class Int8Linear(nn.Module):
 
 def calibration_prompts(model_dir: str) -> list[list[int]]:
     """The shipped calibration chats as the model's tokenizer writes them (its chat template, if any), kept
-    by the chats and every file of `model_dir` but its weights (`kept`): loading a tokenizer through
-    transformers took seconds of every quantized start."""
+    by the chats and the name, size and modification time of every file of `model_dir` (`kept`): loading
+    a tokenizer through transformers took seconds of every quantized start, and reading its files whole
+    (tens of MB for some) would cost part of that again."""
 
     def resolve() -> list[list[int]]:
         from transformers import AutoTokenizer
@@ -191,11 +191,8 @@ def calibration_prompts(model_dir: str) -> list[list[int]]:
         special = not tokenizer.chat_template
         return [tokenizer(text, add_special_tokens=special)["input_ids"] for text in texts]
 
-    key = [CALIBRATION.read_bytes()]
-    for f in sorted(Path(model_dir).iterdir()):
-        if f.is_file() and not f.name.endswith(WEIGHT_FILES):
-            key += [f.name.encode(), f.read_bytes()]
-    return kept("calibration", b"\0".join(key), resolve)
+    files = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(Path(model_dir).iterdir())]
+    return kept("calibration", CALIBRATION.read_bytes() + json.dumps(files).encode(), resolve)
 
 
 def input_maxima(model: nn.Module, prompts: list[list[int]], block_size: int = 64) -> dict[str, Tensor]:

@@ -350,8 +350,8 @@ class EngineCoreProc:
 def main() -> None:
     """`python -m engine.core IN OUT PREPARE PARENT_PID`, started by a front end; `--shared DIR INDEX CLIENTS
     PREPARE PARENT_PID`, by the launcher of several API servers (PREPARE: engine/executor.py's); or
-    `--listen tcp://HOST:PORT [--cluster-key-file FILE]`, headless: waiting there (and on PORT+1) for a
-    front end, until it leaves."""
+    `--listen tcp://HOST:PORT HOST_PID [--cluster-key-file FILE]`, headless: waiting there (and on PORT+1)
+    for a front end, until it leaves."""
     logging.basicConfig(
         level=os.environ.get("KILN_LOG_LEVEL", "INFO"),
         stream=sys.stderr,
@@ -360,8 +360,8 @@ def main() -> None:
     )
     if sys.argv[1] == "--listen":
         host, port = sys.argv[2].removeprefix("tcp://").rsplit(":", 1)
-        key_file = sys.argv[4] if len(sys.argv) > 4 else None
-        die_with_parent(os.getppid())  # `kiln serve --headless`, which restarts it for the next front end
+        key_file = sys.argv[5] if len(sys.argv) > 5 else None
+        die_with_parent(int(sys.argv[3]))  # `kiln serve --headless`, which restarts it for the next front end
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         try:
             proc = EngineCoreProc(

@@ -7,6 +7,7 @@ fresh one whenever the last one ends: its front end left, another took over, or 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -28,9 +29,16 @@ def serve_headless(address: str, key_file: str | None = None) -> int:
     cluster.check_listen(address, cluster.load_key(key_file))  # here, not in each core
     logger.info("headless engine core at %s and the port after it; waiting for a front end", address)
     key = ["--cluster-key-file", key_file] if key_file else []
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+
+    def stop(*_: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut stopping the core short
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
     while True:
-        core = subprocess.Popen([sys.executable, "-m", "engine.core", "--listen", address, *key])
+        # Our pid to watch: stopped before it looks, its parent by then is another, and it would stay.
+        argv = ["--listen", address, str(os.getpid()), *key]
+        core = subprocess.Popen([sys.executable, "-m", "engine.core", *argv])
         try:
             code = core.wait()
         finally:

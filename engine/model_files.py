@@ -38,25 +38,32 @@ def cache_root() -> Path:
     return Path(os.environ.get("KILN_CACHE_DIR", Path.home() / ".cache" / "kiln"))
 
 
+KEPT_FORMAT = b"kept 1"  # changed whenever what a kept value's resolver returns changes
+KEPT_BY = ("transformers", "tokenizers", "jinja2")  # whose versions the kept values come from
+
+
 def kept(kind: str, key: bytes, resolve: Callable[[], Any]) -> Any:
     """`resolve()`, a JSON value computed through transformers, kept under the cache's `kind` folder by the
-    sha256 of `key` and transformers' version: later calls with the same key read it back instead.
-    Written whole under a temporary name and renamed, as other processes may read it meanwhile."""
-    digest = hashlib.sha256(key + version("transformers").encode()).hexdigest()
+    sha256 of `key`, KEPT_FORMAT and KEPT_BY's versions: later calls with the same key read it back
+    instead. Written whole under a temporary name and renamed, as other processes may read it meanwhile;
+    returned as read back, so that the first call's value is a later one's."""
+    versions = ",".join(version(p) for p in KEPT_BY).encode()
+    digest = hashlib.sha256(b"\0".join([KEPT_FORMAT, versions, key])).hexdigest()
     path = cache_root() / kind / f"{digest}.json"
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         pass  # not kept yet, or torn: resolved again
-    value = resolve()
+    text = json.dumps(resolve())
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(value))
+        tmp.write_text(text)
         tmp.replace(path)
     except OSError as e:
+        tmp.unlink(missing_ok=True)
         logger.warning("cannot keep %s under %s (%s): later starts resolve it again", kind, path.parent, e)
-    return value
+    return json.loads(text)
 
 
 def _sha256(path: str) -> str:

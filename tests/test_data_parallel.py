@@ -4,6 +4,7 @@ with the output of one core, both taking a share, and one core's death fails onl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -177,7 +178,10 @@ def _cmdline(proc: Path) -> bytes:
         return b""
 
 
-def test_a_stopped_headless_host_stops_its_core_even_one_still_starting(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["stopped", "killed"])
+def test_a_headless_host_s_core_still_starting_ends_with_it(stop):
+    """Stopped while its core imports torch (before the kernel would kill the core with it), a host stops
+    the core and waits for it; killed, it leaves a core that ends itself once it finds its host gone."""
     host = subprocess.Popen(
         [sys.executable, "-m", "server", "--headless", "--port", str(listening_port())],
         cwd=ROOT,
@@ -185,13 +189,24 @@ def test_a_stopped_headless_host_stops_its_core_even_one_still_starting(tmp_path
         stderr=subprocess.DEVNULL,
         stdin=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 30
-    while not (cores := children_of(host.pid, "engine.core")):
-        assert time.monotonic() < deadline and host.poll() is None, "the host started no core"
-        time.sleep(0.01)
-    host.terminate()  # while the core imports torch, before the kernel would kill it with its parent
-    assert host.wait(30) == 0
-    assert not Path(f"/proc/{cores[0]}").exists()
+    cores: list[int] = []
+    try:
+        deadline = time.monotonic() + 30
+        while not (cores := children_of(host.pid, "engine.core")):
+            assert time.monotonic() < deadline and host.poll() is None, "the host started no core"
+            time.sleep(0.01)
+        host.send_signal(stop)
+        assert host.wait(30) == (0 if stop == signal.SIGTERM else -signal.SIGKILL)
+        deadline = time.monotonic() + (0 if stop == signal.SIGTERM else 30)
+        while _cmdline(Path(f"/proc/{cores[0]}")):  # gone, or a zombie left for init to reap
+            assert time.monotonic() < deadline, "the core outlived its host"
+            time.sleep(0.1)
+    finally:
+        host.kill()
+        host.wait()
+        for core in cores:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(core, signal.SIGKILL)
 
 
 def test_headless_takes_no_model_or_engine_flags(capsys):

@@ -491,11 +491,12 @@ def test_the_vector_isa_probe_imports_nothing_on_its_thread():
     assert int(total) > 0  # the recorder saw the caller's imports
 
 
-def test_an_eager_worker_imports_neither_dynamo_nor_inductor(tiny_llama):
+def test_an_eager_worker_imports_neither_dynamo_nor_inductor(tiny_llama, tmp_path, monkeypatch):
     """An engine core that runs its model eagerly prepares no compile: its worker's modules and its steps
     (chunks, decodes) import neither Dynamo nor Inductor, seconds of every eager start, nor transformers
     once the model's config is kept; one that compiles imports what its first compile needs while it waits
     for its config."""
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))  # the subprocess's too
     load_config(tiny_llama)  # a first start's
     code = textwrap.dedent(f"""
         import sys

@@ -25,7 +25,7 @@ def serve_headless(address: str, key_file: str | None = None) -> int:
     """`kiln serve --headless`: keep an engine core listening at `address` for a front end, a fresh one
     after each front end leaves (or its core fails), until stopped. A core that cannot listen or import
     its worker (HOST_FAILED) ends it: no other would fare better. Stopped (SIGTERM, Ctrl-C), it stops its
-    core and waits for it: the kernel's parent-death signal misses a core still importing torch."""
+    core and waits for it: the kernel's parent-death signal misses a core still starting up."""
     cluster.check_listen(address, cluster.load_key(key_file))  # here, not in each core
     logger.info("headless engine core at %s and the port after it; waiting for a front end", address)
     key = ["--cluster-key-file", key_file] if key_file else []

@@ -180,7 +180,7 @@ def _cmdline(proc: Path) -> bytes:
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["stopped", "killed"])
 def test_a_headless_host_s_core_still_starting_ends_with_it(stop):
-    """Stopped while its core imports torch (before the kernel would kill the core with it), a host stops
+    """Stopped while its core is still starting (before the kernel would kill the core with it), a host stops
     the core and waits for it; killed, it leaves a core that ends itself once it finds its host gone."""
     host = subprocess.Popen(
         [sys.executable, "-m", "server", "--headless", "--port", str(listening_port())],

@@ -191,7 +191,7 @@ def calibration_prompts(model_dir: str) -> list[list[int]]:
         special = not tokenizer.chat_template
         return [tokenizer(text, add_special_tokens=special)["input_ids"] for text in texts]
 
-    files = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(Path(model_dir).iterdir())]
+    files = [(f.name, (st := f.stat()).st_size, st.st_mtime_ns) for f in sorted(Path(model_dir).iterdir())]
     return kept("calibration", CALIBRATION.read_bytes() + json.dumps(files).encode(), resolve)
 
 

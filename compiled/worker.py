@@ -21,6 +21,7 @@ from compiled.host_memory import available_ram, keep_freed_memory
 from compiled.loader import resolve_dtype, resolve_quantization
 from compiled.model_runner import ModelRunner
 from engine.config import EngineConfig
+from engine.processes import end_process
 from engine.step import ModelRunnerOutput, SchedulerOutput
 
 
@@ -242,7 +243,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from engine.processes import end_process
-
     main()
     end_process()

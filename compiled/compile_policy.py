@@ -34,7 +34,7 @@ from compiled.attention import AttentionMetadata
 from compiled.input_batch import InputBatch
 from compiled.models.linear import PACKED_PREFILL_DTYPES, cpu_matmul_dtype
 from compiled.plan import OWN_CALLS, MatmulPlan, PartCalls, StepPlan, call_module
-from compiled.w8a8 import Int8Linear
+from compiled.w8a8 import Int8Gemm, Int8Linear
 
 logger = logging.getLogger("kiln.runner")
 
@@ -50,8 +50,8 @@ WARMUP_CHUNK = 64  # tokens of the multi-token chunks the warm-up runs; graphs a
 # from the sizes it compiles with, and a one-key attention would be compiled serial.
 WARMUP_CONTEXT = 512
 # Quantized decode steps of up to this many rows (CPU) take the fused reduction, which reads the packed
-# weight once for all rows: past it, de-quantizing for the matmul costs less than the rows' unpacking;
-# where the layers have int8 GEMM copies (compiled/loader.py: INT8_GEMMS), the GEMM costs less past 4.
+# weight once for all rows: past it, the matmul on a float copy (or de-quantized slices) costs less than
+# the rows' unpacking; where the layers have int8 GEMM copies (compiled/loader.py: INT8_GEMMS), past 4.
 FEW_QUANTIZED_ROWS, FEW_QUANTIZED_ROWS_GEMM = 8, 4
 # bfloat16 decode steps of up to this many rows take the one-row reduction as well (CPU): oneDNN's
 # matmuls of 2-4 rows ran slower; float32's MKL ones did not. On weights packed for oneDNN (Linear.pack)
@@ -224,7 +224,7 @@ class CompilePolicy:
             if any(isinstance(m, Int8Linear) for m in model.layers.modules()):
                 few_rows = 1  # from two rows on oneDNN's int8 GEMM ran faster than the one-row reduction
             elif quantized:
-                gemms = any(getattr(m, "gemm", None) is not None for m in model.layers.modules())
+                gemms = any(isinstance(getattr(m, "gemm", None), Int8Gemm) for m in model.layers.modules())
                 few_rows = FEW_QUANTIZED_ROWS_GEMM if gemms else FEW_QUANTIZED_ROWS
             elif cpu_matmul_dtype(dtype) != torch.float32:
                 few_rows = FEW_HALF_ROWS_PACKED if packed else FEW_HALF_ROWS

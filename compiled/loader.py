@@ -147,14 +147,14 @@ INT8_GEMMS = weight_max(INT8_ISA) == 127 and os.environ.get("KILN_INT8_GEMMS", "
 def resolve_quantization(
     quantization: str, dtype: str, gguf_path: str | None, device: torch.device, ranks: int
 ) -> str:
-    """What "auto" means here: a GGUF file's own blocks where its several-row steps multiply in int8 (its
-    one-row steps run much faster on the blocks, and larger ones about as fast as on the de-quantized
-    weights: INT8_GEMMS, a CPU with VNNI or AMX, one process, the layers' blocks all of a type kiln
-    reads as it is) and `dtype` does not name the weights' dtype ("auto"); else "none", the weights
-    de-quantized."""
+    """What "auto" means here: a GGUF file's own blocks on an x86 CPU, in one process, where the layers'
+    blocks are all of a type kiln reads as it is and `dtype` does not name the weights' dtype ("auto"):
+    one-row steps run much faster on the blocks, and larger ones no slower, on an int8 GEMM's copy where
+    products sum in 32 bits (INT8_GEMMS), else on a float copy (`Transformer.pack_weights`). Else "none",
+    the weights de-quantized."""
     if quantization != "auto":
         return quantization
-    fast = dtype == "auto" and device.type == "cpu" and INT8_GEMMS and ranks == 1
+    fast = dtype == "auto" and device.type == "cpu" and INT8_ISA is not None and ranks == 1
     return "gguf" if fast and gguf_path is not None and own_blocks(gguf_path) else "none"
 
 

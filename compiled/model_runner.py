@@ -19,6 +19,7 @@ from compiled.compile_policy import WARMUP_CONTEXT, CompilePolicy
 from compiled.host_memory import available_ram, move_weights
 from compiled.input_batch import CachedRequestState, InputBatch, StepBatch, cdiv, sampling_inputs
 from compiled.loader import load_model
+from compiled.models.linear import Linear
 from compiled.pipeline import Pipe
 from compiled.quant import describe
 from compiled.sampler import sample, verify
@@ -68,10 +69,14 @@ class ModelRunner:
         move_weights(self.model)
         params = {id(p): p for p in self.model.parameters()}.values()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in params)
-        # A packed copy doubles the weights' memory: made only where most of the RAM stays for the KV cache.
-        if device.type == "cpu" and self.weight_bytes <= available_ram() * PACKED_COPY_RAM_FRACTION:
+        # Copies for several rows double a float model's memory (more for a quantized one): made only where
+        # most of the RAM stays for the KV cache.
+        copies = self.model.copy_bytes(dtype)
+        if device.type == "cpu" and copies <= available_ram() * PACKED_COPY_RAM_FRACTION:
             self.model.pack_weights(dtype)
         packed = [m.prepacked for m in self.model.modules() if getattr(m, "prepacked", None) is not None]
+        copies = [getattr(m, "gemm", None) for m in self.model.modules()]
+        packed += [m.weight for m in copies if isinstance(m, Linear)]  # quantized layers' float copies
         packed_bytes = sum(w.numel() * w.element_size() for w in packed)
         logger.info(
             "weights: %.2f GiB %s%s loaded in %.1f s from %s%s",
@@ -80,7 +85,7 @@ class ModelRunner:
             f" with {describe(list(self.model.modules()))} weights" if config.quantization != "none" else "",
             time.perf_counter() - start,
             gguf_path if config.quantization == "gguf" else config.model,
-            f"; {packed_bytes / 2**30:.2f} GiB more in a copy packed for oneDNN" if packed else "",
+            f"; {packed_bytes / 2**30:.2f} GiB more in copies for several rows" if packed else "",
         )
         args = self.model.args
         self.vocab_size = args.vocab_size

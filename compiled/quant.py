@@ -9,6 +9,10 @@ a product with one or a few rows is a reduction Inductor vectorises across the t
 whole-vector loads. 4-bit fields of a row lie in int32 words in order (field `k` of a row: word
 k // per_word, bits (k % per_word) * bits); 8-bit fields are signed bytes (q - 128), [tiles, K, TILE],
 which one vector load widens straight to floats, so a symmetric 8-bit format has no min term at all.
+Where Inductor writes AVX2 kernels, torch's vector headers load a count of integers through a copy in
+memory (a stalled store-to-load forward each) but floats with a masked load: there every format lies
+in words, 8-bit fields four to a word as they come (q), held as float32 bits and bit-cast in the
+kernels (`FLOAT_WORDS`).
 Scales and mins are float32 in the same tiling: half-precision ones ran slower. More rows (prefill,
 larger decode batches) go through a copy of the weight where one was made (the int8 GEMM's,
 compiled/w8a8.py; the LM head's float one), else de-quantize the weight slice by slice for the matmul.
@@ -25,13 +29,14 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from compiled.models.linear import PackedProduct, cpu_matmul_dtype, packable
+from compiled.models.linear import Linear, PackedProduct, cpu_matmul_dtype, packable
 from compiled.plan import MatmulPlan, force_stride_order
 
 TILE = 16  # rows per tile: one AVX-512 vector of float32, two AVX2 ones (eight ran much slower on AVX-512)
 # Several rows de-quantize this many weight rows at a time: a slice stays in cache for its matmul, and
 # the kernel's loads stay within few pages (the LM head whole ran several times slower a weight).
 CHUNK_ROWS = 2048
+FLOAT_WORDS = torch.backends.cpu.get_cpu_capability() == "AVX2"  # what Inductor vectorises for
 INT4_GROUP = 32
 INT8_GROUP = 64  # one scale per output channel cost measurable perplexity, groups of 64 none
 # Inductor would store the sum over a word's fields to memory and read it back (it realises a node
@@ -143,23 +148,23 @@ class PackedWeight(nn.Module):
         self.out_features, self.in_features = n, k
         # Parameters, not buffers: Dynamo keeps parameters' shapes static in the dynamic layer graphs,
         # so the kernels are specialised to each weight's sizes.
-        stored, mn = w.stored()
-        if w.bits == 8:
+        if w.bits == 8 and not FLOAT_WORDS:
             # Bytes: masking and shifting fields out of words made the one-row product compute-bound.
+            stored, mn = w.stored()
             self.words = nn.Parameter(_tile(stored), requires_grad=False)
         else:
-            per_word = 32 // w.bits
-            fields = stored.to(torch.int32).view(n, k // per_word, per_word)
+            per_word, mn = 32 // w.bits, w.min
+            fields = w.q.to(torch.int32).view(n, k // per_word, per_word)
             words = fields[..., 0].clone()
             for i in range(1, per_word):
                 words |= fields[..., i] << (w.bits * i)  # the top field wraps into the sign bit, as meant
-            # Stored as int32 itself: a float32 copy viewed as int32 inside the kernels is bit-cast lane by
-            # lane through a buffer in Inductor's CPU code, which made the 4-bit reduction compute-bound.
-            self.words = nn.Parameter(_tile(words), requires_grad=False)
+            # int32 itself elsewhere: Inductor's AVX-512 code bit-casts a float32 vector lane by lane.
+            words = _tile(words).view(torch.float32) if FLOAT_WORDS else _tile(words)
+            self.words = nn.Parameter(words, requires_grad=False)
         self.scale = nn.Parameter(_tile(w.scale.float()), requires_grad=False)
         # Symmetric formats (Q8_0, int8, Q4_0) have no min to read: the kernels compute it (Q4_0: -8
-        # scales) or drop it (8-bit), a ninth of a Q8_0 weight's bytes.
-        symmetric = torch.equal(mn, w.scale * offset(w.bits))
+        # scales, 8-bit in words -128) or drop it (signed bytes), a ninth of a Q8_0 weight's bytes.
+        symmetric = torch.equal(mn, w.scale * offset(w.bits, self.words))
         self.min = None if symmetric else nn.Parameter(_tile(mn.float()), requires_grad=False)
 
     def tiles(self, start: int = 0, stop: int | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -171,22 +176,21 @@ class PackedWeight(nn.Module):
         """De-quantized rows [len(index), K] float32: an embedding lookup."""
         t, lane = index // TILE, index % TILE
         scale = self.scale[t, :, lane]
-        mn = _min(scale, None if self.min is None else self.min[t, :, lane], self.bits)
-        if self.bits == 8:
+        mn = None if self.min is None else self.min[t, :, lane, None]
+        if self.words.dtype == torch.int8:
             fields = self.words[t, :, lane].view(*scale.shape, self.group)
         else:  # few eager ops: a decode step embeds its tokens outside the compiled graphs
-            words = self.words[t, :, lane]
+            words = _ints(self.words)[t, :, lane]
             shifts = torch.arange(0, 32, self.bits, dtype=torch.int32, device=index.device)
             fields = ((words[..., None] >> shifts) & ((1 << self.bits) - 1)).view(*scale.shape, self.group)
-        w = fields.float() * scale[..., None]
-        return (w if mn is None else w + mn[..., None]).flatten(1)
+        return _values(fields, scale[..., None], mn, offset(self.bits, self.words)).flatten(1)
 
     def matvec(self, x: Tensor) -> Tensor:
         """A few rows [M, K] -> [M, N] float32. 4-bit: each word's fields are masked in place and their
         inputs scaled by the matching power of two (exact), then sum(scale * sum_fields + min * sum_x);
-        8-bit: `_matvec_bytes`. Rows lie inside tiles ([T, M, TILE]), so a tile's fields are read once
-        from memory for all rows."""
-        if self.bits == 8:
+        signed bytes: `_matvec_bytes`. Rows lie inside tiles ([T, M, TILE]), so a tile's fields are read
+        once from memory for all rows."""
+        if self.words.dtype == torch.int8:
             return self._matvec_bytes(x)
         per_word, bits = 32 // self.bits, self.bits
         mask = (1 << bits) - 1
@@ -195,7 +199,7 @@ class PackedWeight(nn.Module):
         x_sum = xf.sum(-1)
         shift = torch.tensor([2.0 ** (-bits * i) for i in range(per_word - 1)] + [1.0], device=x.device)
         xs = force_stride_order(xf * shift, (xf.shape[1] * per_word, per_word, 1))
-        w = self.words
+        w = _ints(self.words)
         inner = None
         for i in range(per_word):
             # The top field shifted down: masked in place it would turn the int32 negative.
@@ -204,7 +208,7 @@ class PackedWeight(nn.Module):
             inner = term if inner is None else inner + term
         rep = self.group // per_word
         scale = _per_word(self.scale, rep)[:, None]
-        mn = _min(scale, None if self.min is None else _per_word(self.min, rep)[:, None], bits)
+        mn = _min(scale, None if self.min is None else _per_word(self.min, rep)[:, None], offset(bits, w))
         y = (scale * inner + mn * x_sum[None, :, :, None]).sum(2)
         return y.permute(1, 0, 2).reshape(m, -1)
 
@@ -233,14 +237,13 @@ def dequantize_kn(
         c = t.shape[1]
         return t.permute(1, 0, 2)[:, None].expand(c, rep, tiles, lanes).reshape(c * rep, tiles, lanes)
 
-    if bits == 8:
+    if words.dtype == torch.int8:
         fields = words.permute(1, 0, 2)
     else:
         shifts = torch.arange(per_word, device=words.device, dtype=torch.int32) * bits
-        fields = (spread(words, per_word) >> shifts.repeat(count)[:, None, None]) & mask
-    scales = spread(scale, group)
-    mins = _min(scales, None if mn is None else spread(mn, group), bits)
-    w = fields.float() * scales if mins is None else fields.float() * scales + mins
+        fields = (spread(_ints(words), per_word) >> shifts.repeat(count)[:, None, None]) & mask
+    mins = None if mn is None else spread(mn, group)
+    w = _values(fields, spread(scale, group), mins, offset(bits, words))
     return w.to(dtype).reshape(-1, tiles * lanes)
 
 
@@ -251,16 +254,28 @@ def slice_product(
     return x @ dequantize_kn(words, scale, mn, bits, group, x.dtype)
 
 
-def offset(bits: int) -> float:
-    """A symmetric format's min in scales of its stored fields: -8 for unsigned 4-bit, 0 for signed 8-bit."""
-    return 0.0 if bits == 8 else float(-(1 << (bits - 1)))
+def offset(bits: int, words: Tensor) -> float:
+    """A symmetric format's min in scales of its stored fields: 0 for signed bytes, else that of unsigned
+    fields in words (-8 for 4 bits, -128 for 8)."""
+    return 0.0 if words.dtype == torch.int8 else float(-(1 << (bits - 1)))
 
 
-def _min(scale: Tensor, mn: Tensor | None, bits: int) -> Tensor | None:
-    """The min term to add, computed where the format stores none; None where it is zero."""
-    if mn is not None or offset(bits) == 0:
+def _values(fields: Tensor, scale: Tensor, mn: Tensor | None, off: float) -> Tensor:
+    """Fields de-quantized, exactly the format's own: q * scale + min where the min is stored, else
+    (q + off) * scale, as GGUF computes (q - 8) * d, one rounding."""
+    return fields.float() * scale + mn if mn is not None else (fields.float() + off) * scale
+
+
+def _min(scale: Tensor, mn: Tensor | None, off: float) -> Tensor | None:
+    """The min term to add, computed (`off` scales) where the format stores none; None where it is zero."""
+    if mn is not None or off == 0:
         return mn
-    return scale * offset(bits)
+    return scale * off
+
+
+def _ints(words: Tensor) -> Tensor:
+    """Packed words as int32, bit-cast where held as float32 bits (`FLOAT_WORDS`)."""
+    return words.view(torch.int32) if words.dtype == torch.float32 else words
 
 
 def _tile(t: Tensor) -> Tensor:
@@ -295,6 +310,8 @@ class QuantLinear(nn.Module):
         kernels = kernels or EAGER_KERNELS
         if how.matvec:
             return kernels.matvec(self, x)
+        if isinstance(self.gemm, Linear):
+            return self.gemm(x, how)
         if self.gemm is not None:
             y = self.gemm(x)
             return (y if self.bias is None else y + self.bias).to(x.dtype)
@@ -305,7 +322,22 @@ class QuantLinear(nn.Module):
         return (y if self.bias is None else y + self.bias.to(y.dtype)).to(dtype)
 
     def add_to(self, h: Tensor, x: Tensor, how: MatmulPlan) -> Tensor:
+        if isinstance(self.gemm, Linear) and not how.matvec:
+            return self.gemm.add_to(h, x, how)
         return h + self(x, how)
+
+    def copy_dense(self, dtype: torch.dtype) -> None:
+        """Several rows of `dtype` run as a float model's layer runs them, on a `Linear` holding the weight
+        as de-quantized (and the bias), packed as its own weights are: for a layer without an int8 GEMM's
+        copy, whose slices de-quantized anew each step ran at half the float product's rate."""
+        weight = self.packed.rows(torch.arange(self.out_features, device=self.packed.scale.device))
+        with torch.device("meta"):
+            copy = Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        copy.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+        if self.bias is not None:
+            copy.bias = nn.Parameter(self.bias.detach().to(dtype), requires_grad=False)
+        copy.pack()
+        self.gemm = copy
 
     def pack(self, dtype: torch.dtype) -> None:
         """Several rows of `dtype` multiply a copy of the weight as de-quantized, packed for oneDNN in the

@@ -10,12 +10,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from compiled import loader, quant
-from compiled.compile_policy import CompilePolicy
+from compiled.compile_policy import FEW_QUANTIZED_ROWS, CompilePolicy
 from compiled.gguf import _dequantize, own_blocks
 from compiled.loader import _place, resolve_quantization
 from compiled.models.linear import Linear
 from compiled.plan import MatmulPlan
 from compiled.quant import INDUCTOR_OPTIONS, PackedWeight, QuantLinear, dequantize_kn, from_gguf, quantize
+from compiled.w8a8 import Int8Gemm
 from engine import LLM
 from engine.config import EngineConfig
 from engine.model_files import default_model_path
@@ -30,8 +31,15 @@ def _kn(packed: PackedWeight, start: int = 0, stop: int | None = None, dtype=tor
     return dequantize_kn(*packed.tiles(start, stop), packed.bits, packed.group, dtype)
 
 
+# Both layouts of the fields, whatever this CPU's (quant.FLOAT_WORDS: every format in words held as
+# float32 bits, for AVX2's kernels; else int32 words and signed bytes).
+LAYOUTS = pytest.mark.parametrize("float_words", [False, True], ids=["int-fields", "float32-words"])
+
+
+@LAYOUTS
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_gguf_blocks_decode_as_gguf_does(kind):
+def test_gguf_blocks_decode_as_gguf_does(kind, float_words, monkeypatch):
+    monkeypatch.setattr(quant, "FLOAT_WORDS", float_words)
     rows, cols = 16, 96
     values = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32)
     blocks = gguf.quants.quantize(values, KINDS[kind])
@@ -39,6 +47,7 @@ def test_gguf_blocks_decode_as_gguf_does(kind):
     ours = from_gguf(kind, blocks, rows, cols)
     assert torch.equal(ours.dequantize(), torch.from_numpy(expected))
     packed = PackedWeight(ours)
+    assert (packed.words.dtype == torch.float32) == float_words
     assert (packed.min is None) == (kind != "Q4_1")  # Q4_0's and Q8_0's mins are computed, not stored
     assert torch.equal(_kn(packed).T, torch.from_numpy(expected))
     assert torch.equal(packed.rows(torch.arange(rows)), torch.from_numpy(expected))
@@ -51,8 +60,10 @@ def test_an_unreadable_block_type_names_the_tensor():
         _dequantize("blk.3.ffn_up.weight", "type 99", 99, np.zeros(64, np.uint8), 32)
 
 
+@LAYOUTS
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_packed_kernels_compute_the_dequantized_product(method, monkeypatch):
+def test_packed_kernels_compute_the_dequantized_product(method, float_words, monkeypatch):
+    monkeypatch.setattr(quant, "FLOAT_WORDS", float_words)
     torch.manual_seed(0)
     w = torch.randn(48, 128)
     q = quantize(w, method)
@@ -94,10 +105,10 @@ def test_bad_quantization_is_refused_before_the_engine_starts(tiny_llama):
 
 
 def test_a_gguf_model_computes_on_its_own_blocks_unless_a_dtype_is_named(monkeypatch):
-    """ "auto" takes the blocks where no step runs slower on them (int8 GEMM copies: an x86 CPU, one
-    process) and no dtype was named for the weights; explicit choices stay as they are."""
+    """ "auto" takes the blocks where no step runs slower on them (int8 or float copies for several rows:
+    an x86 CPU, one process) and no dtype was named for the weights; explicit choices stay as they are."""
     cpu, blocks = torch.device("cpu"), "/models/m.gguf"
-    monkeypatch.setattr(loader, "INT8_GEMMS", True)
+    monkeypatch.setattr(loader, "INT8_ISA", "AVX2")
     monkeypatch.setattr(loader, "own_blocks", lambda path: path == blocks)
     assert resolve_quantization("auto", "auto", blocks, cpu, 1) == "gguf"
     assert resolve_quantization("auto", "bfloat16", blocks, cpu, 1) == "none"
@@ -106,7 +117,7 @@ def test_a_gguf_model_computes_on_its_own_blocks_unless_a_dtype_is_named(monkeyp
     assert resolve_quantization("auto", "auto", blocks, cpu, 2) == "none"  # ranks make no GEMM copies
     assert resolve_quantization("int4", "float32", None, cpu, 2) == "int4"
     assert resolve_quantization("auto", "auto", "/models/k-quants.gguf", cpu, 1) == "none"
-    monkeypatch.setattr(loader, "INT8_GEMMS", False)
+    monkeypatch.setattr(loader, "INT8_ISA", None)  # not x86: the blocks' kernels are unmeasured there
     assert resolve_quantization("auto", "auto", blocks, cpu, 1) == "none"
 
 
@@ -121,12 +132,15 @@ def test_a_gguf_file_s_own_blocks_are_those_kiln_reads_as_they_are(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_default_model_loads_its_blocks_with_int8_gemm_copies_by_default():
+def test_the_default_model_loads_its_blocks_with_copies_for_several_rows_by_default():
+    """int8 GEMM copies where products sum in 32 bits, float ones (packed as a float model's) elsewhere."""
     runner = build_runner(None, max_num_seqs=1, num_kv_blocks=16, enforce_eager=True)
-    assert runner.config.quantization == ("gguf" if loader.INT8_GEMMS else "none")
+    assert runner.config.quantization == "gguf"
     layers = [m for m in runner.model.layers.modules() if isinstance(m, QuantLinear)]
-    assert len(layers) == (120 if loader.INT8_GEMMS else 0)
-    assert all(m.gemm is not None for m in layers)
+    assert len(layers) == 120
+    copy = Int8Gemm if loader.INT8_GEMMS else Linear
+    assert all(isinstance(m.gemm, copy) for m in layers)
+    assert all(m.gemm.prepacked is not None for m in layers)
     assert runner.model.output.gemm is not None  # the LM head's float copy
 
 
@@ -160,6 +174,32 @@ def test_a_quantized_head_multiplies_several_rows_on_its_float_copy(tiny_model):
     rows = torch.randn(3, head.in_features, dtype=runner.dtype)
     expected = rows.float() @ head.packed.rows(torch.arange(head.out_features)).T
     torch.testing.assert_close(head(rows, policy.head_plan(3)).float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("tiny_model", ["qwen2"], indirect=True)  # biases on q, k and v
+def test_layers_without_int8_copies_multiply_several_rows_on_float_copies(tiny_model, monkeypatch):
+    """Where products in int8 would sum in 16 bits (AVX2), several rows run on a float copy of each
+    layer's weight as de-quantized, packed as a float model's: the float product of the same values,
+    the bias in it and the residual added inside oneDNN's product; one row still reduces over the blocks."""
+    monkeypatch.setattr(loader, "INT8_GEMMS", False)
+    runner = build_runner(
+        tiny_model, quantization="int4", dtype="float32", num_kv_blocks=16, enforce_eager=True
+    )
+    layers = [m for m in runner.model.layers.modules() if isinstance(m, QuantLinear)]
+    assert layers and all(isinstance(m.gemm, Linear) and m.gemm.prepacked is not None for m in layers)
+    assert any(m.bias is not None for m in layers)
+    policy = CompilePolicy(runner.model, torch.device("cpu"), enforce_eager=False, dtype=runner.dtype)
+    assert policy.few_rows == FEW_QUANTIZED_ROWS  # the blocks' reduction is faster than a float copy at 8
+    torch.manual_seed(4)
+    for layer in layers:
+        x, h = torch.randn(6, layer.in_features), torch.randn(6, layer.out_features)
+        dense = layer.packed.rows(torch.arange(layer.out_features))
+        expected = torch.nn.functional.linear(x, dense, layer.bias)
+        for how in (MatmulPlan(packed=True), MatmulPlan()):  # decode's packed copy, prefill's plain one
+            torch.testing.assert_close(layer(x, how), expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(layer.add_to(h, x, how), h + expected, rtol=1e-5, atol=1e-5)
+        reduced = layer(x[:1], MatmulPlan(matvec=True))
+        torch.testing.assert_close(reduced, layer.reduce(x[:1]), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])

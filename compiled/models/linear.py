@@ -3,6 +3,7 @@ row or a few, oneDNN on weights packed once, float32 where the CPU lacks bfloat1
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -12,13 +13,20 @@ from torch import Tensor, nn
 
 from compiled.plan import MatmulPlan, force_stride_order
 
+# oneDNN's ISAs without bfloat16 dot products: capped at one (ONEDNN_MAX_CPU_ISA), it emulates bfloat16.
+NO_BF16_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
 
-def _cpu_has_fast_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return bool(re.search(r"\b(amx_bf16|avx512_bf16)\b", flags))
+
+def _cpu_has_fast_bf16(flags: str | None = None, cap: str | None = None) -> bool:
+    """Whether the CPU's flags name bfloat16 arithmetic (AMX, AVX-512-BF16) that oneDNN may use."""
+    if flags is None:
+        try:
+            flags = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    if cap is None:
+        cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL"
+    return bool(re.search(r"\b(amx_bf16|avx512_bf16)\b", flags)) and cap.upper() not in NO_BF16_ISAS
 
 
 # Blocks of its rows a weight is reduced in by one-row products, side by side, an accumulator each

@@ -314,12 +314,23 @@ class Transformer(nn.Module):
         """Every plain Linear's weight packed for oneDNN (`Linear.pack`), the LM head's included: the
         largest matmul of a decode step, whose logits then come out row-major, which the sampler's row
         maxima read several times faster than the transposed product. A quantized head gets a float copy
-        packed for products of `dtype` rows (`QuantLinear.pack`); quantized layers keep their own."""
+        packed for products of `dtype` rows (`QuantLinear.pack`), quantized layers without an int8 GEMM's
+        copy a float one (`QuantLinear.copy_dense`)."""
         for module in self.modules():
             if type(module) is Linear:
                 module.pack()
+        for module in self.layers.modules():
+            if isinstance(module, QuantLinear) and module.gemm is None:
+                module.copy_dense(dtype)
         if isinstance(self.output, QuantLinear):
             self.output.pack(dtype)
+
+    def copy_bytes(self, dtype: torch.dtype) -> int:
+        """What `pack_weights` adds: each plain weight once more, each quantized one without an int8 copy
+        twice in float (a layer's de-quantized and packed, the head's packed once: counted twice)."""
+        plain = sum(m.weight.numel() * m.weight.element_size() for m in self.modules() if type(m) is Linear)
+        dense = [m for m in self.modules() if isinstance(m, QuantLinear) and m.gemm is None]
+        return plain + sum(2 * m.in_features * m.out_features * dtype.itemsize for m in dense)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
         for layer in self.layers:

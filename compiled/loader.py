@@ -140,18 +140,18 @@ def _place(model: Transformer, name: str, value: torch.Tensor | Quantized, dtype
 # de-quantizing the weights for a float product where measured. Where products sum in 32 bits (VNNI, AMX):
 # AVX2's int8 path takes 7-bit weights, which cost w8a8 3 % perplexity. One process only: a pipeline stage
 # cannot calibrate alone, and a tensor-parallel rank would round and smooth its shard apart from the rest.
-# KILN_INT8_GEMMS=0 keeps the weight-only arithmetic at every step size.
+# Layers without an int8 copy get a float one (Transformer.pack_weights); KILN_INT8_GEMMS=0 makes none.
 INT8_GEMMS = weight_max(INT8_ISA) == 127 and os.environ.get("KILN_INT8_GEMMS", "1") != "0"
 
 
 def resolve_quantization(
     quantization: str, dtype: str, gguf_path: str | None, device: torch.device, ranks: int
 ) -> str:
-    """What "auto" means here: a GGUF file's own blocks on an x86 CPU, in one process, where the layers'
-    blocks are all of a type kiln reads as it is and `dtype` does not name the weights' dtype ("auto"):
-    one-row steps run much faster on the blocks, and larger ones no slower, on an int8 GEMM's copy where
-    products sum in 32 bits (INT8_GEMMS), else on a float copy (`Transformer.pack_weights`). Else "none",
-    the weights de-quantized."""
+    """What "auto" means here: a GGUF file's own blocks on an x86 CPU with AVX2 (INT8_ISA), in one
+    process, where the layers' blocks are all of a type kiln reads as it is and `dtype` does not name the
+    weights' dtype ("auto"): one-row steps run much faster on the blocks, and larger ones no slower, on
+    an int8 GEMM's copy where products sum in 32 bits (INT8_GEMMS), else on a float copy where RAM holds
+    it (`Transformer.pack_weights`). Else "none", the weights de-quantized."""
     if quantization != "auto":
         return quantization
     fast = dtype == "auto" and device.type == "cpu" and INT8_ISA is not None and ranks == 1

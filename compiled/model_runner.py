@@ -12,7 +12,7 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from compiled import compile_policy, parallel
 from compiled.compile_policy import WARMUP_CONTEXT, CompilePolicy
@@ -69,15 +69,15 @@ class ModelRunner:
         move_weights(self.model)
         params = {id(p): p for p in self.model.parameters()}.values()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in params)
-        # Copies for several rows double a float model's memory (more for a quantized one): made only where
-        # most of the RAM stays for the KV cache.
-        copies = self.model.copy_bytes(dtype)
-        if device.type == "cpu" and copies <= available_ram() * PACKED_COPY_RAM_FRACTION:
-            self.model.pack_weights(dtype)
+        # Copies for several rows, made only where most of the RAM stays for the KV cache: a float model's
+        # packed weights (their size again), then a quantized model's float layers (several times its size).
+        room = available_ram() * PACKED_COPY_RAM_FRACTION
+        if device.type == "cpu" and self.weight_bytes <= room:
+            self.model.pack_weights(dtype, dense=self.model.dense_bytes(dtype) <= room - self.weight_bytes)
+        dense = [m.gemm for m in self.model.modules() if isinstance(getattr(m, "gemm", None), Linear)]
+        move_weights(nn.ModuleList(dense))  # on 2 MiB pages, as the float model's weights are
         packed = [m.prepacked for m in self.model.modules() if getattr(m, "prepacked", None) is not None]
-        copies = [getattr(m, "gemm", None) for m in self.model.modules()]
-        packed += [m.weight for m in copies if isinstance(m, Linear)]  # quantized layers' float copies
-        packed_bytes = sum(w.numel() * w.element_size() for w in packed)
+        packed_bytes = sum(w.numel() * w.element_size() for w in packed + [m.weight for m in dense])
         logger.info(
             "weights: %.2f GiB %s%s loaded in %.1f s from %s%s",
             self.weight_bytes / 2**30,

@@ -15,7 +15,8 @@ in words, 8-bit fields four to a word as they come (q), held as float32 bits and
 kernels (`FLOAT_WORDS`).
 Scales and mins are float32 in the same tiling: half-precision ones ran slower. More rows (prefill,
 larger decode batches) go through a copy of the weight where one was made (the int8 GEMM's,
-compiled/w8a8.py; the LM head's float one), else de-quantize the weight slice by slice for the matmul.
+compiled/w8a8.py; a float one, `QuantLinear.copy_dense` and `pack`), else de-quantize the weight slice by
+slice for the matmul.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ TILE = 16  # rows per tile: one AVX-512 vector of float32, two AVX2 ones (eight 
 # Several rows de-quantize this many weight rows at a time: a slice stays in cache for its matmul, and
 # the kernel's loads stay within few pages (the LM head whole ran several times slower a weight).
 CHUNK_ROWS = 2048
-FLOAT_WORDS = torch.backends.cpu.get_cpu_capability() == "AVX2"  # what Inductor vectorises for
+# ATen's vector ISA, which Inductor follows unless its own build test of that ISA fails (then slower, not
+# wrong); CUDA's kernels bit-cast as cheaply either way.
+FLOAT_WORDS = torch.backends.cpu.get_cpu_capability() == "AVX2"
 INT4_GROUP = 32
 INT8_GROUP = 64  # one scale per output channel cost measurable perplexity, groups of 64 none
 # Inductor would store the sum over a word's fields to memory and read it back (it realises a node
@@ -59,7 +62,8 @@ class Quantized:
         return self.q.shape[1] // self.scale.shape[1]
 
     def stored(self) -> tuple[Tensor, Tensor]:
-        """Fields and mins as packed: 8-bit fields signed (q - 128) as in Q8_0, mins shifted to match."""
+        """Fields and mins as signed bytes hold them: 8-bit fields signed (q - 128) as in Q8_0, mins shifted
+        to match (4-bit ones as they are)."""
         if self.bits != 8:
             return self.q, self.min
         return (self.q.to(torch.int16) - 128).to(torch.int8), self.min + 128 * self.scale
@@ -186,10 +190,11 @@ class PackedWeight(nn.Module):
         return _values(fields, scale[..., None], mn, offset(self.bits, self.words)).flatten(1)
 
     def matvec(self, x: Tensor) -> Tensor:
-        """A few rows [M, K] -> [M, N] float32. 4-bit: each word's fields are masked in place and their
-        inputs scaled by the matching power of two (exact), then sum(scale * sum_fields + min * sum_x);
-        signed bytes: `_matvec_bytes`. Rows lie inside tiles ([T, M, TILE]), so a tile's fields are read
-        once from memory for all rows."""
+        """A few rows [M, K] -> [M, N] float32. Fields in words: each word's fields are masked in place and
+        their inputs scaled by the matching power of two (exact), then sum(scale * sum_fields + min * sum_x)
+        (8-bit ones unsigned about a min of -128 scales: their float32 sums cancel more than signed bytes'
+        would, still far below the fields' own rounding); signed bytes: `_matvec_bytes`. Rows lie inside tiles
+        ([T, M, TILE]), so a tile's fields are read once from memory for all rows."""
         if self.words.dtype == torch.int8:
             return self._matvec_bytes(x)
         per_word, bits = 32 // self.bits, self.bits
@@ -213,7 +218,7 @@ class PackedWeight(nn.Module):
         return y.permute(1, 0, 2).reshape(m, -1)
 
     def _matvec_bytes(self, x: Tensor) -> Tensor:
-        """`matvec` on 8-bit fields: per group of a row, scale * sum(fields * x) (+ min * sum(x) if any)."""
+        """`matvec` on signed bytes: per group of a row, scale * sum(fields * x) (+ min * sum(x) if any)."""
         m, (tiles, _, lanes), groups = x.shape[0], self.words.shape, self.scale.shape[1]
         xf = force_stride_order(x.float(), x.stride()).view(1, m, groups, self.group, 1)
         fields = self.words.float().view(tiles, 1, groups, self.group, lanes)
@@ -292,8 +297,8 @@ def _per_word(t: Tensor, rep: int) -> Tensor:
 class QuantLinear(nn.Module):
     """A linear layer whose weight is packed: one row, or a few (the plan's `matvec`), through the fused
     reduction; more rows through `gemm`, a copy of the weight where one was made (a layer's for an int8
-    GEMM, compiled/w8a8.py: Int8Gemm; the LM head's in float, `pack`), else de-quantized for the matmul,
-    CHUNK_ROWS weight rows at a time.
+    GEMM, compiled/w8a8.py: Int8Gemm, or else in float, `copy_dense`; the LM head's in float, `pack`),
+    else de-quantized for the matmul, CHUNK_ROWS weight rows at a time.
 
     Inside a compiled layer the slices' products unroll into the layer's graph. The LM head has many more
     slices (24 for SmolLM2's vocabulary): the compile policy passes it `kernels` with one graph called

@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import re
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from torch import Tensor, nn
 
 from compiled.attention import AttentionMetadata
 from compiled.attention_cpu import fresh_prompt_pages
-from compiled.models.linear import Linear
+from compiled.models.linear import Linear, cpu_flags, onednn_cap
 from compiled.plan import MatmulPlan, StepPlan, force_stride_order
 from compiled.quant import PackedWeight, Quantized, QuantLinear, quantizable
 from engine.model_files import kept
@@ -60,13 +59,8 @@ ISAS = (
 def int8_isa(flags: str | None = None, cap: str | None = None) -> str | None:
     """The ISA oneDNN's int8 GEMM runs on here: the best the CPU's flags name, at most the one
     ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA) allows; None without AVX2 or off x86."""
-    if flags is None:
-        try:
-            flags = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return None
-    if cap is None:
-        cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL"
+    flags = cpu_flags() if flags is None else flags
+    cap = onednn_cap() if cap is None else cap
     names = [name for name, _ in ISAS]
     found = [name for name, flag in ISAS if re.search(rf"\b{flag}\b", flags)]
     if not found:

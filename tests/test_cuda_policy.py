@@ -162,12 +162,3 @@ def test_each_kind_of_step_has_the_plan_its_device_and_dtype_call_for(tiny_llama
     assert eager.plans["one"].linear == eager.plans["more"].linear == plans["more"]
     assert {plan.decode_attention for plan in eager.plans.values()} == {"matmul"}
 
-
-def test_bfloat16_counts_as_fast_only_where_the_flags_name_it_and_onednn_may_use_it():
-    zen4 = "flags : fpu avx2 avx512f avx512bw avx512_vnni avx512_bf16"
-    assert linear._cpu_has_fast_bf16(zen4, "ALL")
-    assert linear._cpu_has_fast_bf16("flags : fpu avx2 avx512f amx_bf16 amx_int8", "AVX512_CORE_AMX")
-    assert not linear._cpu_has_fast_bf16("flags : fpu avx2 avx512f avx512bw avx512_vnni", "ALL")  # Ice Lake
-    # oneDNN capped below its bfloat16 ISAs (an AVX2 CPU's paths, run on an AVX-512 one) emulates it.
-    assert not linear._cpu_has_fast_bf16(zen4, "avx2")
-    assert not linear._cpu_has_fast_bf16(zen4, "AVX512_CORE_VNNI")

@@ -6,11 +6,13 @@ import sys
 
 import torch
 
+from compiled import quant
 from compiled.host_memory import move_weights
 from compiled.quant import PackedWeight, quantize
 
 
-def test_weights_move_into_one_huge_page_block_unchanged():
+def test_weights_move_into_one_huge_page_block_unchanged(monkeypatch):
+    monkeypatch.setattr(quant, "FLOAT_WORDS", True)  # as on AVX2: words held as float32 bits
     torch.manual_seed(0)
     model = torch.nn.Module()
     model.head = torch.nn.Linear(16, 48, bias=True)
@@ -19,6 +21,7 @@ def test_weights_move_into_one_huge_page_block_unchanged():
     # Packed words are float32 bit patterns, NaN ones included: they must move as bytes.
     packed = PackedWeight(quantize(torch.randn(48, 128), "int4"))
     model.packed = packed
+    assert packed.words.dtype == torch.float32
     model.packed.words.data[0, 0, 0] = torch.tensor(0x7F800001, dtype=torch.int32).view(torch.float32)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     move_weights(model)

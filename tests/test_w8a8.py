@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 
 from compiled import loader, w8a8
 from compiled.loader import load_model
+from compiled.models.linear import cpu_has_fast_bf16
 from compiled.plan import MatmulPlan
 from compiled.quant import QuantLinear
 from compiled.w8a8 import Int8Linear, int8_isa, quantize_rows, quantize_weight, smoothing, weight_max
@@ -34,6 +35,16 @@ def test_the_isa_is_the_best_the_flags_name_capped_as_onednn_is():
     # 16-bit pair sums saturate without VNNI: 7-bit weights there, 8-bit where products sum in 32 bits.
     isas = ("AVX2", "AVX512_CORE", "AVX2_VNNI", "AVX512_CORE_AMX")
     assert [weight_max(i) for i in isas] == [63, 63, 127, 127]
+
+
+def test_bfloat16_counts_as_fast_only_where_the_flags_name_it_and_onednn_may_use_it():
+    zen4 = "flags : fpu avx2 avx512f avx512bw avx512_vnni avx512_bf16"
+    assert cpu_has_fast_bf16(zen4, "ALL")
+    assert cpu_has_fast_bf16("flags : fpu avx2 avx512f amx_bf16 amx_int8", "AVX512_CORE_AMX")
+    assert not cpu_has_fast_bf16("flags : fpu avx2 avx512f avx512bw avx512_vnni", "ALL")  # Ice Lake
+    # oneDNN capped below its bfloat16 ISAs (an AVX2 CPU's paths, run on an AVX-512 one) emulates it.
+    assert not cpu_has_fast_bf16(zen4, "avx2")
+    assert not cpu_has_fast_bf16(zen4, "AVX512_CORE_VNNI")
 
 
 def _gemm_error(isa: str | None) -> float:

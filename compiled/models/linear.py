@@ -17,15 +17,22 @@ from compiled.plan import MatmulPlan, force_stride_order
 NO_BF16_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
 
 
-def _cpu_has_fast_bf16(flags: str | None = None, cap: str | None = None) -> bool:
-    """Whether the CPU's flags name bfloat16 arithmetic (AMX, AVX-512-BF16) that oneDNN may use."""
-    if flags is None:
-        try:
-            flags = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-    if cap is None:
-        cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL"
+def cpu_flags() -> str:
+    """/proc/cpuinfo, empty where there is none."""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def onednn_cap() -> str:
+    """The highest ISA oneDNN may use, as ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA) names it, else ALL."""
+    return (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+
+
+def cpu_has_fast_bf16(flags: str, cap: str) -> bool:
+    """Whether the CPU's flags name bfloat16 arithmetic (AMX, AVX-512-BF16) that oneDNN capped at `cap`
+    may use."""
     return bool(re.search(r"\b(amx_bf16|avx512_bf16)\b", flags)) and cap.upper() not in NO_BF16_ISAS
 
 
@@ -33,7 +40,7 @@ def _cpu_has_fast_bf16(flags: str | None = None, cap: str | None = None) -> bool
 # (measured on CPUs; CUDA takes the same, unmeasured).
 ROW_BLOCKS = 4
 # AMX or AVX-512-BF16: this CPU computes bfloat16 natively. A constant, so that traced code reads a bool.
-CPU_HAS_FAST_BF16 = _cpu_has_fast_bf16()
+CPU_HAS_FAST_BF16 = cpu_has_fast_bf16(cpu_flags(), onednn_cap())
 
 
 def cpu_matmul_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -30,7 +30,7 @@ from compiled.attention import (
     write_kv,
 )
 from compiled.models.family import ModelFamily
-from compiled.models.linear import Linear
+from compiled.models.linear import Linear, cpu_matmul_dtype
 from compiled.plan import OWN_CALLS, MatmulPlan, PartCalls, StepPlan, call_module
 from compiled.quant import QuantLinear
 
@@ -310,27 +310,28 @@ class Transformer(nn.Module):
         logits = softcapped(head(self.output, hidden, how).float(), self.args.logit_softcap)
         return logits if self.args.tp_size == 1 else parallel.gather_vocab(logits, self.args.vocab_size)
 
-    def pack_weights(self, dtype: torch.dtype) -> None:
+    def pack_weights(self, dtype: torch.dtype, dense: bool = True) -> None:
         """Every plain Linear's weight packed for oneDNN (`Linear.pack`), the LM head's included: the
         largest matmul of a decode step, whose logits then come out row-major, which the sampler's row
         maxima read several times faster than the transposed product. A quantized head gets a float copy
-        packed for products of `dtype` rows (`QuantLinear.pack`), quantized layers without an int8 GEMM's
-        copy a float one (`QuantLinear.copy_dense`)."""
+        packed for products of `dtype` rows (`QuantLinear.pack`); with `dense`, quantized layers without an
+        int8 GEMM's copy get a float one (`QuantLinear.copy_dense`), which `dense_bytes` sizes."""
         for module in self.modules():
             if type(module) is Linear:
                 module.pack()
-        for module in self.layers.modules():
-            if isinstance(module, QuantLinear) and module.gemm is None:
-                module.copy_dense(dtype)
+        for module in self.dense_copied() if dense else ():
+            module.copy_dense(dtype)
         if isinstance(self.output, QuantLinear):
             self.output.pack(dtype)
 
-    def copy_bytes(self, dtype: torch.dtype) -> int:
-        """What `pack_weights` adds: each plain weight once more, each quantized one without an int8 copy
-        twice in float (a layer's de-quantized and packed, the head's packed once: counted twice)."""
-        plain = sum(m.weight.numel() * m.weight.element_size() for m in self.modules() if type(m) is Linear)
-        dense = [m for m in self.modules() if isinstance(m, QuantLinear) and m.gemm is None]
-        return plain + sum(2 * m.in_features * m.out_features * dtype.itemsize for m in dense)
+    def dense_copied(self) -> list[QuantLinear]:
+        return [m for m in self.layers.modules() if isinstance(m, QuantLinear) and m.gemm is None]
+
+    def dense_bytes(self, dtype: torch.dtype) -> int:
+        """The float copies of `pack_weights(dtype, dense=True)`: each weight in `dtype` and packed in the
+        dtype its product runs in."""
+        size = dtype.itemsize + cpu_matmul_dtype(dtype).itemsize
+        return sum(m.in_features * m.out_features * size for m in self.dense_copied())
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
         for layer in self.layers:

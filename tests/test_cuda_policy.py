@@ -161,4 +161,3 @@ def test_each_kind_of_step_has_the_plan_its_device_and_dtype_call_for(tiny_llama
     eager = CompilePolicy(runner.model, torch.device("cpu"), enforce_eager=True, dtype=torch.bfloat16)
     assert eager.plans["one"].linear == eager.plans["more"].linear == plans["more"]
     assert {plan.decode_attention for plan in eager.plans.values()} == {"matmul"}
-

@@ -61,6 +61,14 @@ def test_bench_runner_against_other_weights_compares_two_compiled_runners(tiny_c
     assert "compiled / kiln_none_float32" in capsys.readouterr().out
 
 
+def test_bench_runner_decodes_past_its_context_by_as_many_steps_as_asked(tiny_llama, tmp_path):
+    """Batch 1 decodes its timed steps twice: the runner's length and KV cache hold them all."""
+    out = tmp_path / "r.json"
+    args = ["bench", "runner", "--model", tiny_llama, "--batches", "1", "--context", "40", "--steps", "80"]
+    assert main([*args, "--prefill-len", "24", "--no-compare", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["kiln_compiled"]["decode_tok_s"]["1"] > 0
+
+
 def test_runner_engines_take_turns():
     log = []
 

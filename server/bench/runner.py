@@ -121,7 +121,8 @@ def bench_kv_blocks(block_size: int, batch: int, context: int, prefill_len: int)
 
 
 def kiln_engine(engine_args: dict, batch: int, context: int, prefill_len: int) -> tuple[KilnEngine, float]:
-    """A warmed-up runner for `measure`, and its warm-up's seconds."""
+    """A warmed-up runner for `measure`, and its warm-up's seconds; its KV cache holds `batch` sequences
+    decoding to `context`."""
     runner = build_runner(engine_args.pop("model"), **engine_args)
     runner.initialize_kv_cache(bench_kv_blocks(runner.block_size, batch, context, prefill_len))
     start = time.perf_counter()
@@ -208,13 +209,14 @@ def run(
     def weights(quant: str) -> str | None:
         return model if quant == "gguf" else path  # gguf reads the file itself
 
+    reach = context + 2 * steps  # batch 1 decodes its timed steps twice (the roofline's pairs)
     common = dict(
         model=weights(quantization),
         quantization=quantization,
         dtype=dtype,
         max_num_seqs=max(batches),
         num_threads=num_threads,
-        max_model_len=max(context + 64, prefill_len + 1),
+        max_model_len=max(reach + 64, prefill_len + 1),
     )
     out: dict = {
         "config": {
@@ -231,13 +233,13 @@ def run(
     }
     copy = Copy()
     engines, batch = {}, max(batches)
-    engines["kiln_compiled"], compiled_warmup = kiln_engine(dict(common), batch, context, prefill_len)
+    engines["kiln_compiled"], compiled_warmup = kiln_engine(dict(common), batch, reach, prefill_len)
     if against:
         quant, _, against_dtype = against.partition(":")
         other = dict(common, model=weights(quant), quantization=quant, dtype=against_dtype or dtype)
-        engines[f"kiln_{quant}_{other['dtype']}"], _ = kiln_engine(other, batch, context, prefill_len)
+        engines[f"kiln_{quant}_{other['dtype']}"], _ = kiln_engine(other, batch, reach, prefill_len)
     else:
-        engines["kiln_eager"], _ = kiln_engine(dict(common, enforce_eager=True), batch, context, prefill_len)
+        engines["kiln_eager"], _ = kiln_engine(dict(common, enforce_eager=True), batch, reach, prefill_len)
     if compare:
         from transformers import AutoModelForCausalLM
 

@@ -325,6 +325,7 @@ class Transformer(nn.Module):
             self.output.pack(dtype)
 
     def dense_copied(self) -> list[QuantLinear]:
+        """The quantized layers with no copy for several rows yet, which `pack_weights` copies in float."""
         return [m for m in self.layers.modules() if isinstance(m, QuantLinear) and m.gemm is None]
 
     def dense_bytes(self, dtype: torch.dtype) -> int:

@@ -333,7 +333,7 @@ class EngineCoreProc:
         for client, outs in self.clients.by_client(outputs).items():
             self.send(EngineCoreOutputs(outs, self.engine_index, pool.usage), client)
         s = self.core.scheduler
-        load = CoreLoad(self.engine_index, len(s.running), s.num_waiting, pool.usage, events)
+        load = CoreLoad(self.engine_index, len(s.running), len(s.waiting), pool.usage, events)
         with contextlib.suppress(zmq.Again):  # the coordinator gone: routing goes on without its view
             self.clients.coordinator.send(self.encoder.encode(load), copy=False, flags=zmq.NOBLOCK)
 

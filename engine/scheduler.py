@@ -127,8 +127,6 @@ class Scheduler:
     def _release(self, done: list[Request], queued: list[Request]) -> None:
         """Forget finished requests (`queued`: those of them still in the waiting queue) and free their
         blocks (full ones stay in the prefix cache)."""
-        if not done:
-            return
         for req in done:
             del self.requests[req.request_id]
             self.kv_cache_manager.free(req)
@@ -140,10 +138,6 @@ class Scheduler:
         if len(done) > len(queued):
             self.running = [r for r in self.running if not r.status.finished]
         self.waiting.note_finished(queued)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
 
     def abort_requests(self, request_ids: str | Iterable[str]) -> list[EngineCoreOutput]:
         """Abort live requests (unknown or finished ids are ignored); one "abort" output per abort."""
@@ -161,11 +155,11 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         kv, spec = self.kv_cache_manager, None if self.proposer is None else self.proposer.stats.copy()
         counts = (kv.usage, kv.prefix_cache_queries, kv.prefix_cache_hits, self.num_preemptions, spec)
-        return SchedulerStats(len(self.running), self.num_waiting, *counts)
+        return SchedulerStats(len(self.running), len(self.waiting), *counts)
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, hold: bool = True) -> SchedulerOutput:
         cfg, kv, running = self.config, self.kv_cache_manager, self.running
         # Each client request's first running sample leads; its others are bulk work (engine/step_budget.py).
         leads = {r.parent_id: r for r in reversed(running)}
@@ -177,8 +171,9 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
         preempted = False
-        # While first samples wait, a running prompt's chunk leaves them up to half the step.
-        held = min(budget // 2, self.waiting.first_tokens) if self._admitting() else 0
+        # While first samples wait, a running prompt's chunk leaves them up to half the step (`hold`:
+        # unless none of them could take it, its blocks not free, and the step would carry nothing).
+        held = min(budget // 2, self.waiting.first_tokens) if hold and self._admitting() else 0
         seats = -(-len(running) // cfg.pipeline_parallel_size)  # the steps in flight share the sampling
         # A chunk or a further sample's decode leaves room for the leads' decodes still to come.
         rows = sum(r.num_known_tokens - r.num_computed_tokens == 1 for r in leads.values())
@@ -276,6 +271,9 @@ class Scheduler:
             samples_bulk -= cost if further else 0
 
         waiting.prepend_all(skipped)
+        if held and running and not out.num_scheduled_tokens and not preempted:  # none could (no blocks)
+            self.finished_req_ids = out.finished_req_ids
+            return self.schedule(hold=False)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         if constrained := [
             r for r in map(self.requests.get, out.num_scheduled_tokens) if r.grammar is not None

@@ -316,7 +316,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         sched, kv = self.sched, self.sched.kv_cache_manager
         pool = kv.block_pool
         running, waiting = sched.running, [r for r in sched.waiting if not r.status.finished]
-        assert len(waiting) == sched.num_waiting
+        assert len(waiting) == len(sched.waiting)
         first = [r for r in waiting if r.sample_index == 0]
         # Their tokens as queued: a sample preempted with a step in flight gains its token while it waits.
         assert sched.waiting.num_first == len(first)

@@ -443,11 +443,11 @@ def test_aborting_a_waiting_request_leaves_the_queue_in_place_until_half_of_it_i
     for i in range(10):
         add(s, f"r{i}", 6)
     assert [o.request_id for o in s.abort_requests(["r0", "r3"])] == ["r0", "r3"]
-    assert s.waiting.num_stale == 2 and s.num_waiting == 8 == s.stats().num_waiting  # no pass over the queue
+    assert s.waiting.num_stale == 2 and len(s.waiting) == 8 == s.stats().num_waiting  # no pass over the queue
     out, _ = step(s)
     assert sorted(out.num_scheduled_tokens) == ["r1", "r2"]  # the aborted one at the front is skipped
     s.abort_requests(["r4", "r5", "r6", "r7"])
-    assert [r.request_id for r in s.waiting] == ["r8", "r9"] and s.num_waiting == 2
+    assert [r.request_id for r in s.waiting] == ["r8", "r9"] and len(s.waiting) == 2
     assert s.waiting.num_stale == 0  # compacted
 
 
@@ -878,6 +878,38 @@ def test_under_priority_a_first_sample_behind_a_further_one_gets_a_kept_seat():
     assert [r.request_id for r in s.waiting] == ["a#1", "c"]
     out, _ = step(s)
     assert [r.req_id for r in out.new_reqs] == ["c"] and [r.request_id for r in s.waiting] == ["a#1"]
+
+
+class DeepChunks(FixedPrices):
+    """A chunk costs a token more for each token of depth it starts at; a lone request's step is `tokens`."""
+
+    def price(self, start: int, n: int = 1, shared: int = 0) -> int:
+        return n + start
+
+    def most(self, start: int, room: int) -> int:
+        return max(0, room - start)
+
+    def lone_tokens(self) -> int:
+        return self.tokens_
+
+
+def test_room_held_for_a_prompt_that_cannot_get_blocks_does_not_idle_the_running_one():
+    """P's prompt holds every block, two tokens short of its end; W waits. The room a step holds for W's
+    first tokens leaves too little for P's deep chunk, and W cannot go in (no block is free): the step gives
+    the room back to P, which ends and frees its blocks for W, rather than neither ever running."""
+    s = make(max_num_batched_tokens=7, num_blocks=7, max_num_batched_tokens_decoding=4)
+    add(s, "p", 23, max_tokens=1)
+    for _ in range(3):
+        step(s)
+    assert s.requests["p"].num_computed_tokens == 21
+    assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 0
+    s.step_budget = DeepChunks(7, 1)
+    add(s, "w", 10, max_tokens=1)
+    assert step(s)[0].num_scheduled_tokens == {"p": 1}
+    assert "p" in by_id(step(s)[1]) and "p" not in s.requests
+    for _ in range(10):  # W's deep chunks take a token a step on their own
+        step(s)
+    assert not s.requests
 
 
 def test_a_fit_that_prices_chunk_tokens_near_nothing_still_lets_a_further_sample_run():

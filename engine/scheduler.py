@@ -19,10 +19,10 @@ goes back to the waiting queue, at its front (fcfs) or at its own priority and a
 
 Fairness: sample i waits behind every other request's sample i - 1 (request_queue.py), the last quarter of
 the seats is kept for first samples, a chunk or a further sample's decode leaves room for the leads' decodes
-after it and up to half the step to waiting first samples; where several requests' streams share a measured
-step, work is priced by the context its attention reads, bulk work (a further sample's, a fresh prompt
-longer than a step) stretches the step less than prompts do and waits while it has no bulk room left,
-others going past it (step_budget.py).
+after it and up to half the step to waiting first samples (unless none of them can take it and the step would
+carry nothing); where several requests' streams share a measured step, work is priced by the context its
+attention reads, bulk work (a further sample's, a fresh prompt longer than a step) stretches the step less
+than prompts do and waits while it has no bulk room left, others going past it (step_budget.py).
 
 Speculative decoding: a decoding request also computes the tokens its proposer drafts (engine/proposer.py),
 within the budget; once verified, ``num_computed_tokens`` steps back over the rejected ones, whose slots
@@ -272,7 +272,7 @@ class Scheduler:
 
         waiting.prepend_all(skipped)
         if held and running and not out.num_scheduled_tokens and not preempted:  # none could (no blocks)
-            self.finished_req_ids = out.finished_req_ids
+            self.finished_req_ids |= out.finished_req_ids  # with any request failed meanwhile
             return self.schedule(hold=False)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         if constrained := [

@@ -171,8 +171,8 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
         preempted = False
-        # While first samples wait, a running prompt's chunk leaves them up to half the step (`hold`:
-        # unless none of them could take it, its blocks not free, and the step would carry nothing).
+        # While first samples wait, a running prompt's chunk leaves them up to half the step; a step that then
+        # carries nothing (none of them can go in: no free blocks) is planned again without (`hold`).
         held = min(budget // 2, self.waiting.first_tokens) if hold and self._admitting() else 0
         seats = -(-len(running) // cfg.pipeline_parallel_size)  # the steps in flight share the sampling
         # A chunk or a further sample's decode leaves room for the leads' decodes still to come.

@@ -176,6 +176,10 @@ class PackedWeight(nn.Module):
         mn = None if self.min is None else self.min[start:stop]
         return self.words[start:stop], self.scale[start:stop], mn
 
+    def dequantize(self) -> Tensor:
+        """The whole weight de-quantized, [N, K] float32: where a copy in another form is made."""
+        return self.rows(torch.arange(self.out_features, device=self.scale.device))
+
     def rows(self, index: Tensor) -> Tensor:
         """De-quantized rows [len(index), K] float32: an embedding lookup."""
         t, lane = index // TILE, index % TILE
@@ -335,7 +339,7 @@ class QuantLinear(nn.Module):
         """Several rows of `dtype` run as a float model's layer runs them, on a `Linear` holding the weight
         as de-quantized (and the bias), packed as its own weights are: for a layer without an int8 GEMM's
         copy, whose slices de-quantized anew each step ran at half the float product's rate."""
-        weight = self.packed.rows(torch.arange(self.out_features, device=self.packed.scale.device))
+        weight = self.packed.dequantize()
         with torch.device("meta"):
             copy = Linear(self.in_features, self.out_features, bias=self.bias is not None)
         copy.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
@@ -350,8 +354,7 @@ class QuantLinear(nn.Module):
         step cost more than its product."""
         dtype, device = cpu_matmul_dtype(dtype), self.packed.scale.device
         if packable(device, dtype):
-            weight = self.packed.rows(torch.arange(self.out_features, device=device))
-            self.gemm = PackedProduct(weight.to(dtype))
+            self.gemm = PackedProduct(self.packed.dequantize().to(dtype))
 
     def reduce(self, x: Tensor) -> Tensor:
         """One row or a few through the fused reduction."""

@@ -163,8 +163,7 @@ class Int8Linear(nn.Module):
 
     def dequantized(self) -> Tensor:
         """The weight the layer computes with, W as de-quantized, [N, K] float32."""
-        rows = self.tiled.rows(torch.arange(self.out_features, device=self.gemm.scale.device))
-        return rows * self.gemm.inverse
+        return self.tiled.dequantize() * self.gemm.inverse
 
 
 def calibration_prompts(model_dir: str) -> list[list[int]]:
@@ -249,8 +248,7 @@ def add_int8_gemms(model: nn.Module, maxima: dict[str, Tensor]) -> None:
     rows. The LM head keeps its float product: logits through int8 activations cost measurable perplexity."""
     for name, module in model.layers.named_modules(prefix="layers"):
         if isinstance(module, QuantLinear):
-            weight = module.packed.rows(torch.arange(module.out_features, device=module.packed.scale.device))
-            module.gemm = int8_gemm(weight, maxima.get(name))
+            module.gemm = int8_gemm(module.packed.dequantize(), maxima.get(name))
 
 
 def quantize_layers(model: nn.Module, maxima: dict[str, Tensor]) -> None:

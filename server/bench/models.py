@@ -116,8 +116,8 @@ def w8a8_checkpoint(model_dir: str, dtype: str, dest: str) -> str:
             ignored.append(name)
             return None
         scale = linear.gemm.scale
-        rows = linear.tiled.rows(torch.arange(linear.out_features))
-        return torch.round(rows / scale[:, None]).to(torch.int8), scale, linear.gemm.inverse
+        q = torch.round(linear.tiled.dequantize() / scale[:, None]).to(torch.int8)
+        return q, scale, linear.gemm.inverse
 
     def put(name: str, q: torch.Tensor, scale: torch.Tensor) -> None:
         state[f"{name}.weight"] = q.contiguous()
